@@ -1,0 +1,1 @@
+"""Typed config, the app builder, YAML, autoscaling policies, control-plane store, the CLI."""

@@ -1,0 +1,1 @@
+"""vLLM engine settings shared by both pools, model resolution and the transformers oracle."""

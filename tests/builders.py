@@ -1,0 +1,30 @@
+"""Shared builders for tests: settings and prompts, so no test copies them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.params import GenerationParams
+from engine.settings import EngineSettings
+
+KV_CACHE_BYTES_FOR_TESTS = 128 * 1024**2
+
+
+def make_settings(model: Path, **overrides: object) -> EngineSettings:
+    fields: dict[str, object] = {
+        "model": model,
+        "device": "cpu",
+        "kv_cache_memory_bytes": KV_CACHE_BYTES_FOR_TESTS,
+        "max_model_len": 2048,
+    }
+    fields.update(overrides)
+    return EngineSettings(**fields)  # type: ignore[arg-type]
+
+
+def make_greedy(max_tokens: int = 24, **overrides: object) -> GenerationParams:
+    return GenerationParams(max_tokens=max_tokens, **overrides)  # type: ignore[arg-type]
+
+
+def long_text(num_words: int) -> str:
+    words = ["prefill", "decode", "cache", "block", "token", "layer", "router", "replica"]
+    return " ".join(f"{words[i % len(words)]}{i % 13}" for i in range(num_words))
