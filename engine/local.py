@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from engine.params import GenerationParams
 from engine.platform import pin_current_process
 from engine.prompts import encode_prompt
+from engine.sampling import to_sampling_params
 from engine.settings import EngineSettings
 
 
@@ -23,19 +23,6 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str | None
-
-
-def to_sampling_params(params: GenerationParams) -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k if params.top_k > 0 else -1,
-        seed=params.seed,
-        ignore_eos=params.ignore_eos,
-    )
 
 
 class LocalEngine:

@@ -28,3 +28,13 @@ def make_greedy(max_tokens: int = 24, **overrides: object) -> GenerationParams:
 def long_text(num_words: int) -> str:
     words = ["prefill", "decode", "cache", "block", "token", "layer", "router", "replica"]
     return " ".join(f"{words[i % len(words)]}{i % 13}" for i in range(num_words))
+
+
+def prompt_of_length(tokenizer: object, num_tokens: int) -> tuple[int, ...]:
+    """Exactly `num_tokens` ids of ordinary text (never special tokens)."""
+    ids: list[int] = []
+    words = 8
+    while len(ids) < num_tokens:
+        ids = list(tokenizer(long_text(words))["input_ids"])  # type: ignore[operator]
+        words *= 2
+    return tuple(ids[:num_tokens])

@@ -54,3 +54,11 @@ def default_reference(default_model: Path) -> object:
     from engine.reference import ReferenceModel
 
     return ReferenceModel(default_model)
+
+
+@pytest.fixture(scope="session")
+def transfer_settings() -> dict[str, object]:
+    """TransferSettings per backend name; the ray backend joins the session's Ray cluster."""
+    from kv_transfer.base import TransferSettings
+
+    return {"nixl": TransferSettings(backend="nixl")}

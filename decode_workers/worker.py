@@ -1,0 +1,108 @@
+"""DecodeWorker: a vLLM AsyncLLM as KV consumer.
+
+`decode` checks the handoff (digest, lease, layout), has vLLM pull the producer's KV, and streams
+the tokens after the first one. vLLM recomputes the last prompt position on this side to get
+logits, so the decode engine samples the first token again with the same seed: we check that
+it equals the one prefill streamed, which catches a wrong KV cache before any further token.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.async_engine import kv_cache_is_empty, start_async_engine
+from engine.request import GenerationRequest
+from engine.sampling import to_sampling_params
+from engine.settings import EngineSettings
+from kv_transfer.base import TransferSettings, make_backend
+from kv_transfer.handoff import KVHandoff, KVHandshakeError, KVTransferError
+from kv_transfer.layout import kv_layout_for
+
+
+@dataclass(frozen=True)
+class DecodeChunk:
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+
+
+class DecodeWorker:
+    def __init__(
+        self, settings: EngineSettings, transfer: TransferSettings, worker_id: str | None = None
+    ) -> None:
+        self.settings = settings
+        self.transfer = transfer
+        self.backend = make_backend(transfer)
+        self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
+        self.layout = kv_layout_for(settings)
+        self.engine: Any = None
+        self.start_seconds = 0.0
+
+    def start(self) -> None:
+        self.engine, self.start_seconds = start_async_engine(
+            self.settings,
+            self.backend.consumer_config(self.worker_id),
+            self.backend.process_env(),
+        )
+
+    def check_handoff(self, handoff: KVHandoff) -> None:
+        if handoff.backend != self.backend.name:
+            raise KVHandshakeError(
+                f"handoff uses backend {handoff.backend!r}, "
+                f"this decode worker {self.backend.name!r}"
+            )
+        handoff.layout.check_compatible(self.layout)
+        handoff.verify()
+
+    async def decode(
+        self, request: GenerationRequest, handoff: KVHandoff
+    ) -> AsyncIterator[DecodeChunk]:
+        """Stream the tokens after `handoff.first_token`. Raises KVHandshakeError before any
+        transfer when the producer's layout differs, KVTransferError when the KV is bad."""
+        try:
+            self.check_handoff(handoff)
+        except (KVHandshakeError, KVTransferError):
+            await self.release(handoff)
+            raise
+        sampling = to_sampling_params(
+            request.params,
+            kv_transfer_params=self.backend.consumer_request_params(handoff.pull),
+        )
+        num_seen = 0
+        async for output in self.engine.generate(
+            {"prompt_token_ids": list(request.prompt_token_ids)}, sampling, request.request_id
+        ):
+            completion = output.outputs[0]
+            new_ids = [int(t) for t in completion.token_ids[num_seen:]]
+            if num_seen == 0 and new_ids:
+                if new_ids[0] != handoff.first_token:
+                    await self.engine.abort(request.request_id)
+                    raise KVTransferError(
+                        f"decode of {request.request_id} re-sampled first token {new_ids[0]}, "
+                        f"prefill sent {handoff.first_token}: refusing to continue"
+                    )
+                new_ids = new_ids[1:]
+                num_seen = 1
+            num_seen += len(new_ids)
+            if new_ids or completion.finish_reason is not None:
+                yield DecodeChunk(tuple(new_ids), completion.finish_reason)
+
+    async def release(self, handoff: KVHandoff) -> None:
+        """Give up a handoff without decoding it: the producer's KV is freed now, not at expiry."""
+        await self.engine.notify_kv_transfer_request_rejected(
+            f"release-{handoff.request_id}-{uuid.uuid4().hex[:6]}",
+            self.backend.rejection_params(handoff.pull),
+        )
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def is_idle(self) -> bool:
+        return await kv_cache_is_empty(self.engine)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None

@@ -1,0 +1,122 @@
+"""The KV transfer interface: one narrow backend class, backends registered by name.
+
+Call order, per request:
+  producer side (prefill worker)
+    producer_config(engine_id)           once, at engine start: vLLM's KVTransferConfig
+    producer_request_params()            per prefill: kv_transfer_params for max_tokens=1
+    parse_producer_output(params)        per prefill: the engine's output params -> typed pull
+  consumer side (decode worker)
+    consumer_config(engine_id)           once, at engine start
+    consumer_request_params(pull)        per decode: kv_transfer_params that make vLLM pull
+    rejection_params(pull)               per handoff never decoded: lets the consumer engine's
+                                         connector release the producer's lease now
+
+An unknown backend name or a missing optional package is an error at start-up
+(`make_backend` raises), never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from kv_transfer.handoff import NixlPull, RayPull
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig
+
+FailurePolicy = Literal["recompute", "fail"]
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    backend: str = "ray"
+    # What the decode engine does when KV cannot be loaded or fails verification.
+    failure_policy: FailurePolicy = "recompute"
+    lease_seconds: float = 60.0
+    # Ray backend: the cluster the engines' child processes join, and the lease registry actor.
+    ray_address: str | None = None
+    ray_namespace: str = "pdserve"
+    lease_registry: str = "pdserve-kv-leases"
+    # NIXL backend: side-channel port of each engine's handshake listener; 0 picks a free one.
+    nixl_port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.failure_policy not in ("recompute", "fail"):
+            raise ValueError(
+                f"failure_policy must be 'recompute' or 'fail', got {self.failure_policy!r}"
+            )
+        if self.lease_seconds <= 0:
+            raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds}")
+
+
+class KVBackend(ABC):
+    name: ClassVar[str]
+    required_modules: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, settings: TransferSettings) -> None:
+        self.settings = settings
+
+    @abstractmethod
+    def producer_config(self, engine_id: str) -> KVTransferConfig: ...
+
+    @abstractmethod
+    def consumer_config(self, engine_id: str) -> KVTransferConfig: ...
+
+    def producer_request_params(self) -> dict[str, Any]:
+        return {"do_remote_decode": True}
+
+    @abstractmethod
+    def parse_producer_output(self, params: dict[str, Any]) -> NixlPull | RayPull: ...
+
+    @abstractmethod
+    def consumer_request_params(self, pull: NixlPull | RayPull) -> dict[str, Any]: ...
+
+    def rejection_params(self, pull: NixlPull | RayPull) -> dict[str, Any]:
+        return self.consumer_request_params(pull)
+
+    def process_env(self) -> dict[str, str]:
+        """Environment the engine processes need before they start."""
+        return {}
+
+
+_BACKENDS: dict[str, type[KVBackend]] = {}
+
+
+def register_backend(cls: type[KVBackend]) -> type[KVBackend]:
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def backend_names() -> list[str]:
+    _load_builtin_backends()
+    return sorted(_BACKENDS)
+
+
+def make_backend(settings: TransferSettings) -> KVBackend:
+    _load_builtin_backends()
+    cls = _BACKENDS.get(settings.backend)
+    if cls is None:
+        raise ValueError(
+            f"unknown KV transfer backend {settings.backend!r}; "
+            f"known: {', '.join(sorted(_BACKENDS))}"
+        )
+    missing = [m for m in cls.required_modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(
+            f"KV transfer backend {cls.name!r} needs the package(s) {', '.join(missing)}: "
+            f"pip install {' '.join(missing)}"
+        )
+    return cls(settings)
+
+
+def _load_builtin_backends() -> None:
+    loaders: list[Callable[[], object]] = [
+        lambda: importlib.import_module("kv_transfer.nixl"),
+        lambda: importlib.import_module("kv_transfer.ray_backend"),
+    ]
+    for load in loaders:
+        load()

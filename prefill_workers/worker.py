@@ -1,0 +1,104 @@
+"""PrefillWorker: a vLLM AsyncLLM as KV producer.
+
+`prefill` runs the prompt with max_tokens=1 and returns the first token and a KVHandoff. The
+handoff owns the producer's KV until a decode worker pulls it (or releases it, or its lease
+expires): whoever receives a PrefillResult must hand it to `DecodeWorker.decode` or
+`DecodeWorker.release`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from engine.async_engine import kv_cache_is_empty, start_async_engine
+from engine.request import GenerationRequest
+from engine.sampling import to_sampling_params
+from engine.settings import EngineSettings
+from kv_transfer.base import TransferSettings, make_backend
+from kv_transfer.handoff import KVHandoff, KVTransferError
+from kv_transfer.layout import kv_layout_for
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    handoff: KVHandoff
+    # Set when the first token already ends the request (stop token, or max_tokens == 1).
+    finish_reason: str | None
+    prefill_seconds: float
+
+
+class PrefillWorker:
+    def __init__(
+        self, settings: EngineSettings, transfer: TransferSettings, worker_id: str | None = None
+    ) -> None:
+        self.settings = settings
+        self.transfer = transfer
+        self.backend = make_backend(transfer)
+        self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
+        self.layout = kv_layout_for(settings)
+        self.engine: Any = None
+        self.start_seconds = 0.0
+
+    def start(self) -> None:
+        self.engine, self.start_seconds = start_async_engine(
+            self.settings,
+            self.backend.producer_config(self.worker_id),
+            self.backend.process_env(),
+        )
+
+    async def prefill(self, request: GenerationRequest) -> PrefillResult:
+        if request.num_prompt_tokens >= self.settings.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; the model's context is "
+                f"{self.settings.max_model_len}"
+            )
+        sampling = to_sampling_params(
+            request.params,
+            max_tokens=1,
+            kv_transfer_params=self.backend.producer_request_params(),
+        )
+        started = time.perf_counter()
+        final = None
+        async for output in self.engine.generate(
+            {"prompt_token_ids": list(request.prompt_token_ids)}, sampling, request.request_id
+        ):
+            final = output
+        elapsed = time.perf_counter() - started
+        if final is None or not final.outputs or not final.outputs[0].token_ids:
+            raise KVTransferError(f"prefill of {request.request_id} produced no token")
+        params = final.kv_transfer_params
+        if not params:
+            raise KVTransferError(
+                f"prefill of {request.request_id} returned no KV transfer parameters"
+            )
+        completion = final.outputs[0]
+        first_token = int(completion.token_ids[0])
+        finish_reason = completion.finish_reason
+        if finish_reason == "length" and request.params.max_tokens > 1:
+            finish_reason = None  # capped by us at one token, not by the client
+        handoff = KVHandoff(
+            backend=self.backend.name,
+            producer_id=self.worker_id,
+            request_id=request.request_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            first_token=first_token,
+            layout=self.layout,
+            lease_expires_at=time.time() + self.transfer.lease_seconds,
+            pull=self.backend.parse_producer_output(params),
+        )
+        return PrefillResult(first_token, handoff, finish_reason, elapsed)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def is_idle(self) -> bool:
+        return await kv_cache_is_empty(self.engine)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
