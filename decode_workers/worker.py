@@ -61,11 +61,9 @@ class DecodeWorker:
     ) -> AsyncIterator[DecodeChunk]:
         """Stream the tokens after `handoff.first_token`. Raises KVHandshakeError before any
         transfer when the producer's layout differs, KVTransferError when the KV is bad."""
-        try:
-            self.check_handoff(handoff)
-        except (KVHandshakeError, KVTransferError):
-            await self.release(handoff)
-            raise
+        # Refused before any transfer; the producer's lease stays with the caller to release
+        # through a compatible decode worker, or to expire.
+        self.check_handoff(handoff)
         sampling = to_sampling_params(
             request.params,
             kv_transfer_params=self.backend.consumer_request_params(handoff.pull),

@@ -60,8 +60,9 @@ def build_tokenizer(dest: Path) -> None:
     wrapped.save_pretrained(str(dest))
 
 
-def build_tiny_model(dest: Path) -> Path:
-    """Write the tiny model folder to `dest` (weights, config, tokenizer) and return it."""
+def build_tiny_model(dest: Path, seed: int = TINY_SEED) -> Path:
+    """Write the tiny model folder to `dest` (weights, config, tokenizer) and return it.
+    Another `seed` gives the same architecture and vocabulary with other weights."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -85,8 +86,8 @@ def build_tiny_model(dest: Path) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(TINY_SEED)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(str(dest))
-    (dest / "pdserve-model.json").write_text(json.dumps({"name": "tiny", "seed": TINY_SEED}))
+    (dest / "pdserve-model.json").write_text(json.dumps({"name": "tiny", "seed": seed}))
     return dest

@@ -4,8 +4,6 @@ transformers, for each KV backend and both models."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -13,33 +11,13 @@ from decode_workers.worker import DecodeWorker
 from engine.local import LocalEngine
 from engine.params import GenerationParams
 from engine.reference import ReferenceModel
-from kv_transfer.base import TransferSettings
 from prefill_workers.worker import PrefillWorker
 from tests.builders import make_greedy, prompt_of_length
-from tests.pd import make_request, run_pd, start_pair, wait_idle
+from tests.pd import make_request, run_pd, wait_idle
 
 BLOCK = 32
 PROMPT_LENGTHS = [1, 10, 2 * BLOCK, 2 * BLOCK + 1, 1500]
-BACKENDS = ["nixl"]
-MODELS = ["tiny", "default"]
-
 Pair = tuple[PrefillWorker, DecodeWorker]
-
-
-@pytest.fixture(
-    scope="module",
-    params=[(b, m) for b in BACKENDS for m in MODELS],
-    ids=lambda p: f"{p[0]}-{p[1]}",
-)
-def pd_case(
-    request: pytest.FixtureRequest, transfer_settings: dict[str, TransferSettings]
-) -> Iterator[tuple[str, str, Pair]]:
-    backend, model_name = request.param
-    model: Path = request.getfixturevalue(f"{model_name}_model")
-    pair = start_pair(model, transfer_settings[backend])
-    yield backend, model_name, pair
-    for worker in pair:
-        worker.shutdown()
 
 
 def _oracles(request: pytest.FixtureRequest, model_name: str) -> tuple[LocalEngine, ReferenceModel]:

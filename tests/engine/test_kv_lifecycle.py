@@ -1,0 +1,106 @@
+"""Ownership of KV across the pools: cancellations leak nothing, mismatches are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from decode_workers.worker import DecodeWorker
+from engine.request import GenerationRequest
+from kv_transfer.handoff import KVHandshakeError, KVTransferError
+from prefill_workers.worker import PrefillWorker
+from router.lifecycle import generate_disaggregated
+from tests.builders import make_greedy, make_settings
+from tests.pd import make_request, run_pd, wait_idle
+
+Pair = tuple[PrefillWorker, DecodeWorker]
+
+
+async def _consume(pair: Pair, request: GenerationRequest, stop_after: int | None) -> int:
+    """Stream a request; with `stop_after`, walk away after that many events (a client that
+    disconnects). Returns the number of events seen."""
+    seen = 0
+    stream = generate_disaggregated(pair[0], pair[1], request)
+    try:
+        async for _ in stream:
+            seen += 1
+            if stop_after is not None and seen >= stop_after:
+                break
+    finally:
+        await stream.aclose()
+    return seen
+
+
+async def _cancel_after(coro: object, delay: float) -> None:
+    task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
+    await asyncio.sleep(delay)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def test_fifty_requests_with_cancellations_leak_nothing(
+    pd_case: tuple[str, str, Pair],
+) -> None:
+    _, _, pair = pd_case
+    rng = random.Random(0)
+    jobs = []
+    for i in range(50):
+        prompt = tuple(rng.randrange(3, 200) for _ in range(rng.randrange(1, 300)))
+        request = make_request(prompt, make_greedy(max_tokens=16, ignore_eos=True))
+        kind = i % 5
+        if kind == 0:  # gone right after the first token: the handoff was never decoded
+            jobs.append(_consume(pair, request, stop_after=1))
+        elif kind == 1:  # gone mid-decode
+            jobs.append(_consume(pair, request, stop_after=3))
+        elif kind == 2:  # task cancelled at a random moment: prefill, transfer or decode
+            jobs.append(_cancel_after(_consume(pair, request, None), rng.uniform(0.0, 0.4)))
+        else:
+            jobs.append(_consume(pair, request, None))
+    for start in range(0, 50, 10):
+        await asyncio.gather(*jobs[start : start + 10])
+    assert await wait_idle(*pair, timeout=60), "KV blocks still held after all requests ended"
+    # And the pair still serves correctly afterwards.
+    tokens = await run_pd(*pair, make_request((5, 6, 7), make_greedy(max_tokens=4)))
+    assert len(tokens) == 4
+
+
+async def test_finished_at_first_token_releases_the_lease(pd_case: tuple[str, str, Pair]) -> None:
+    _, _, pair = pd_case
+    for _ in range(3):
+        tokens = await run_pd(*pair, make_request((9, 10, 11), make_greedy(max_tokens=1)))
+        assert len(tokens) == 1
+    assert await wait_idle(*pair, timeout=10)
+
+
+async def test_layout_mismatch_is_refused_before_transfer(
+    pd_case: tuple[str, str, Pair], tmp_path: Path
+) -> None:
+    backend, model_name, (prefill, decode) = pd_case
+    request = make_request(tuple(range(3, 40)), make_greedy(max_tokens=8))
+    result = await prefill.prefill(request)
+    try:
+        other_block = DecodeWorker(replace(decode.settings, block_size=64), decode.transfer)
+        with pytest.raises(KVHandshakeError, match="block_size: producer 32 != consumer 64"):
+            async for _ in other_block.decode(request, result.handoff):
+                pass
+        if model_name == "tiny":
+            from engine.tiny import build_tiny_model
+
+            other_model = build_tiny_model(tmp_path / "tiny-other", seed=99)
+            other_weights = DecodeWorker(make_settings(other_model), decode.transfer)
+            with pytest.raises(KVHandshakeError, match="weights_digest"):
+                other_weights.check_handoff(result.handoff)
+        tampered = replace(result.handoff, num_prompt_tokens=result.handoff.num_prompt_tokens + 1)
+        with pytest.raises(KVTransferError, match="digest"):
+            decode.check_handoff(tampered)
+        assert other_block.engine is None  # never started: refused before any transfer
+        assert backend in {"nixl", "ray"}
+    finally:
+        await decode.release(result.handoff)
+    assert await wait_idle(prefill, decode, timeout=10)
