@@ -17,6 +17,7 @@ from engine.async_engine import kv_cache_is_empty, start_async_engine
 from engine.request import GenerationRequest
 from engine.sampling import to_sampling_params
 from engine.settings import EngineSettings
+from engine.stats import EngineStatsRecorder
 from kv_transfer.base import TransferSettings, make_backend
 from kv_transfer.handoff import KVHandoff, KVHandshakeError, KVTransferError
 from kv_transfer.layout import kv_layout_for
@@ -39,12 +40,14 @@ class DecodeWorker:
         self.layout = kv_layout_for(settings)
         self.engine: Any = None
         self.start_seconds = 0.0
+        self.stats = EngineStatsRecorder()
 
     def start(self) -> None:
         self.engine, self.start_seconds = start_async_engine(
             self.settings,
             self.backend.consumer_config(self.worker_id),
             self.backend.process_env(),
+            self.stats,
         )
 
     def check_handoff(self, handoff: KVHandoff) -> None:

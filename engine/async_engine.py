@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from engine.settings import EngineSettings
+from engine.stats import EngineStatsRecorder, stat_logger_factory
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig
@@ -20,6 +21,7 @@ def start_async_engine(
     settings: EngineSettings,
     kv_transfer: KVTransferConfig | None = None,
     env: dict[str, str] | None = None,
+    recorder: EngineStatsRecorder | None = None,
 ) -> tuple[Any, float]:
     """An AsyncLLM for `settings`, and how long it took to start (seconds)."""
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -28,7 +30,10 @@ def start_async_engine(
     settings.apply_process_env()
     os.environ.update(env or {})
     started = time.perf_counter()
-    engine = AsyncLLM.from_engine_args(settings.async_engine_args(kv_transfer))
+    engine = AsyncLLM.from_engine_args(
+        settings.async_engine_args(kv_transfer),
+        stat_loggers=[stat_logger_factory(recorder)] if recorder is not None else None,
+    )
     return engine, time.perf_counter() - started
 
 

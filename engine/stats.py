@@ -1,0 +1,83 @@
+"""What a served engine reports each step, kept where pdserve can read it.
+
+vLLM hands SchedulerStats to its stat loggers in the AsyncLLM process after engine steps;
+`EngineStatsRecorder` keeps the latest queue and KV-cache figures and every KV transfer the
+connector timed (NIXL's telemetry, and the `ray` connector's own), for metrics, autoscaling
+signals and the transfer benchmark.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+MAX_TRANSFERS_KEPT = 10_000
+
+
+@dataclass(frozen=True)
+class TransferSample:
+    seconds: float
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+class EngineStatsRecorder:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.latest = SchedulerSnapshot()
+        self.transfers: deque[TransferSample] = deque(maxlen=MAX_TRANSFERS_KEPT)
+        self.num_failed_transfers = 0
+
+    def observe(self, scheduler_stats: Any) -> None:
+        if scheduler_stats is None:
+            return
+        snapshot = SchedulerSnapshot(
+            num_running=int(getattr(scheduler_stats, "num_running_reqs", 0)),
+            num_waiting=int(getattr(scheduler_stats, "num_waiting_reqs", 0)),
+            kv_cache_usage=float(getattr(scheduler_stats, "kv_cache_usage", 0.0)),
+        )
+        connector: dict[str, Any] = getattr(scheduler_stats, "kv_connector_stats", None) or {}
+        durations = connector.get("transfer_duration", [])
+        sizes = connector.get("bytes_transferred", [])
+        with self._lock:
+            self.latest = snapshot
+            for seconds, num_bytes in zip(durations, sizes, strict=False):
+                self.transfers.append(TransferSample(float(seconds), int(num_bytes)))
+            self.num_failed_transfers += len(connector.get("num_failed_transfers", []))
+
+    def take_transfers(self) -> list[TransferSample]:
+        with self._lock:
+            taken = list(self.transfers)
+            self.transfers.clear()
+        return taken
+
+
+def stat_logger_factory(recorder: EngineStatsRecorder) -> Any:
+    """A vLLM StatLoggerFactory whose loggers feed `recorder`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _RecorderLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            recorder.observe(scheduler_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _RecorderLogger
