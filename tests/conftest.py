@@ -57,8 +57,29 @@ def default_reference(default_model: Path) -> object:
 
 
 @pytest.fixture(scope="session")
-def transfer_settings() -> dict[str, object]:
+def ray_cluster() -> Iterator[object]:
+    """Two Ray nodes on this machine, each with its own raylet and object store (resources
+    `node_a`, `node_b` place actors), joined by this process. Shared by every Ray test."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": {"node_a": 1}, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=2, resources={"node_b": 1})
+    ray.init(address=cluster.address, namespace="pdserve-tests", logging_level="WARNING")
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def transfer_settings(ray_cluster: object) -> dict[str, object]:
     """TransferSettings per backend name; the ray backend joins the session's Ray cluster."""
     from kv_transfer.base import TransferSettings
 
-    return {"nixl": TransferSettings(backend="nixl")}
+    return {
+        "nixl": TransferSettings(backend="nixl"),
+        "ray": TransferSettings(backend="ray", ray_address=ray_cluster.address),  # type: ignore[attr-defined]
+    }
