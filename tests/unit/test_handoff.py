@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import json
+import pickle
+import time
+from dataclasses import replace
+
+import pytest
+
+from kv_transfer.handoff import (
+    KVHandoff,
+    KVHandshakeError,
+    KVLayout,
+    KVTransferError,
+    NixlPull,
+    RayPull,
+)
+
+LAYOUT = KVLayout("tiny", "abc123", "float32", 32, 4, 2, 32)
+NIXL_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[3, 4, 5]],
+    "remote_engine_id": "prefill-1",
+    "remote_request_id": "r1",
+    "remote_host": "localhost",
+    "remote_port": 5601,
+    "tp_size": 1,
+    "dcp_size": 1,
+    "pp_size": 1,
+    "remote_num_tokens": 70,
+    "remote_blocks_expiry_time": None,
+    "transfer_mode": "pull",
+}
+
+
+def make_handoff(**overrides: object) -> KVHandoff:
+    fields: dict[str, object] = {
+        "backend": "nixl",
+        "producer_id": "prefill-1",
+        "request_id": "r1",
+        "num_prompt_tokens": 70,
+        "first_token": 42,
+        "layout": LAYOUT,
+        "lease_expires_at": time.time() + 60,
+        "pull": NixlPull.from_producer_params(NIXL_PARAMS),
+    }
+    fields.update(overrides)
+    return KVHandoff(**fields)  # type: ignore[arg-type]
+
+
+def test_nixl_params_round_trip() -> None:
+    pull = NixlPull.from_producer_params(NIXL_PARAMS)
+    assert pull.num_blocks == 3
+    assert pull.to_consumer_params(flat_blocks=False) == NIXL_PARAMS
+    flat = NixlPull.from_producer_params({**NIXL_PARAMS, "remote_block_ids": [3, 4, 5]})
+    assert flat == pull
+
+
+def test_ray_pull_keeps_params_whole() -> None:
+    params = {"key": "k", "num_blocks": 2, "digest": "d", "layout": {"block_size": 32}}
+    assert RayPull.from_producer_params(params).params == params
+
+
+def test_handoff_survives_pickle_and_verifies() -> None:
+    handoff = make_handoff()
+    again = pickle.loads(pickle.dumps(handoff))
+    assert again == handoff
+    again.verify()
+
+
+def test_altered_handoff_fails_digest() -> None:
+    handoff = make_handoff()
+    tampered = replace(handoff, first_token=7, digest=handoff.digest)
+    with pytest.raises(KVTransferError, match="digest"):
+        tampered.verify()
+
+
+def test_expired_lease_is_refused() -> None:
+    handoff = make_handoff(lease_expires_at=time.time() - 5)
+    with pytest.raises(KVTransferError, match="expired"):
+        handoff.verify()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("block_size", 64), ("dtype", "bfloat16"), ("weights_digest", "zzz"), ("num_layers", 5)],
+)
+def test_layout_mismatch_names_the_field(field: str, value: object) -> None:
+    other = replace(LAYOUT, **{field: value})
+    with pytest.raises(KVHandshakeError, match=field):
+        LAYOUT.check_compatible(other)
+    LAYOUT.check_compatible(replace(LAYOUT))
+
+
+def test_digest_is_stable_json() -> None:
+    handoff = make_handoff()
+    assert len(handoff.digest) == 32
+    assert handoff.compute_digest() == handoff.digest
+    json.dumps(handoff.pull.to_consumer_params(flat_blocks=True))  # type: ignore[union-attr]
