@@ -75,11 +75,13 @@ def ray_cluster() -> Iterator[object]:
 
 
 @pytest.fixture(scope="session")
-def transfer_settings(ray_cluster: object) -> dict[str, object]:
+def transfer_settings(ray_cluster: object) -> Iterator[dict[str, object]]:
     """TransferSettings per backend name; the ray backend joins the session's Ray cluster."""
     from kv_transfer.base import TransferSettings
+    from kv_transfer.ray_lease import start_lease_registry
 
-    return {
-        "nixl": TransferSettings(backend="nixl"),
-        "ray": TransferSettings(backend="ray", ray_address=ray_cluster.address),  # type: ignore[attr-defined]
-    }
+    ray_settings = TransferSettings(backend="ray", ray_address=ray_cluster.address)  # type: ignore[attr-defined]
+    # Held for the session: Ray collects a named actor once no handle to it is left.
+    registry = start_lease_registry(ray_settings.lease_registry, ray_settings.ray_namespace)
+    yield {"nixl": TransferSettings(backend="nixl"), "ray": ray_settings}
+    del registry

@@ -16,7 +16,7 @@ from kv_transfer.base import TransferSettings
 from prefill_workers.worker import PrefillWorker
 from tests.pd import start_pair
 
-BACKENDS = ["nixl"]
+BACKENDS = ["nixl", "ray"]
 MODELS = ["tiny", "default"]
 
 Pair = tuple[PrefillWorker, DecodeWorker]

@@ -56,7 +56,7 @@ class DecodeActor:
         return await self.worker.is_idle()
 
 
-@pytest.mark.parametrize("backend", ["nixl"])
+@pytest.mark.parametrize("backend", ["nixl", "ray"])
 def test_kv_crosses_ray_nodes(
     backend: str,
     ray_cluster: Any,

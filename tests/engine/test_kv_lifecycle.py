@@ -21,6 +21,22 @@ from tests.pd import make_request, run_pd, wait_idle
 Pair = tuple[PrefillWorker, DecodeWorker]
 
 
+async def live_leases(prefill: PrefillWorker, timeout: float = 10.0) -> int:
+    """Leases the transfer layer still holds: the `ray` registry's objects; for `nixl` the
+    producer's held blocks, which wait_idle already covers."""
+    if prefill.backend.name != "ray":
+        return 0
+    from kv_transfer.ray_lease import get_lease_registry
+
+    registry = get_lease_registry(prefill.transfer.lease_registry, prefill.transfer.ray_namespace)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        live = int(await registry.num_live.remote())
+        if live == 0 or asyncio.get_running_loop().time() > deadline:
+            return live
+        await asyncio.sleep(0.2)
+
+
 async def _consume(pair: Pair, request: GenerationRequest, stop_after: int | None) -> int:
     """Stream a request; with `stop_after`, walk away after that many events (a client that
     disconnects). Returns the number of events seen."""
@@ -65,6 +81,7 @@ async def test_fifty_requests_with_cancellations_leak_nothing(
     for start in range(0, 50, 10):
         await asyncio.gather(*jobs[start : start + 10])
     assert await wait_idle(*pair, timeout=60), "KV blocks still held after all requests ended"
+    assert await live_leases(pair[0]) == 0
     # And the pair still serves correctly afterwards.
     tokens = await run_pd(*pair, make_request((5, 6, 7), make_greedy(max_tokens=4)))
     assert len(tokens) == 4
@@ -76,6 +93,7 @@ async def test_finished_at_first_token_releases_the_lease(pd_case: tuple[str, st
         tokens = await run_pd(*pair, make_request((9, 10, 11), make_greedy(max_tokens=1)))
         assert len(tokens) == 1
     assert await wait_idle(*pair, timeout=10)
+    assert await live_leases(pair[0]) == 0
 
 
 async def test_layout_mismatch_is_refused_before_transfer(

@@ -1,0 +1,83 @@
+"""Joining the cluster's Ray from whatever process a vLLM engine runs the connector in.
+
+In-process engines (the offline `LLM`, a Serve replica) already run inside a Ray process. Served
+engines (AsyncLLM) run the connector in vLLM's child processes, where Ray is not initialized and
+RAY_ADDRESS is unset; a bare `ray.put` there would silently start a private cluster whose
+objects nobody else can read. So a child joins the cluster by its GCS address, never starts one.
+
+Token auth (Ray 2.60 default): `ray.init(address=...)` turns token mode on by itself when it
+finds a token: RAY_AUTH_TOKEN, the file named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token. The
+process that started a local cluster exported RAY_AUTH_MODE=token and wrote that file, and vLLM's
+children inherit the environment and home, so they authenticate with no further setup.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import ray
+
+if TYPE_CHECKING:
+    from kv_transfer.base import TransferSettings
+
+logger = logging.getLogger(__name__)
+
+_joined_in_pid: int | None = None
+
+
+def join_ray(address: str | None, namespace: str | None) -> None:
+    """Make Ray usable in this process: reuse a live connection or join `address`."""
+    global _joined_in_pid
+    if ray.is_initialized():
+        if multiprocessing.parent_process() is not None and _joined_in_pid != os.getpid():
+            # A forked child inherits the parent's Ray globals but none of its connections:
+            # every call would hang. Only spawned children can join cleanly.
+            raise RuntimeError(
+                f"RayKVConnector: process {os.getpid()} inherited Ray from its parent by fork, "
+                "which Ray does not support. Start vLLM's processes with spawn "
+                "(VLLM_WORKER_MULTIPROC_METHOD=spawn; vLLM does so itself inside Ray actors)."
+            )
+        return
+    if not address:
+        raise RuntimeError(
+            f"RayKVConnector: Ray is not initialized in process {os.getpid()} and "
+            "kv_connector_extra_config has no 'ray_address'. Pass the cluster's GCS address "
+            "(ray.get_runtime_context().gcs_address); the connector never starts a cluster."
+        )
+    try:
+        ray.init(
+            address=address,
+            namespace=namespace,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
+    except ray.exceptions.AuthenticationError as exc:
+        raise RuntimeError(
+            f"RayKVConnector: the cluster at {address} refused this process's Ray token; make "
+            "the cluster's token visible here (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+            "~/.ray/auth_token)"
+        ) from exc
+    _joined_in_pid = os.getpid()
+    logger.info("process %d joined Ray at %s", os.getpid(), address)
+
+
+def start_local_transfer_cluster(settings: TransferSettings) -> TransferSettings:
+    """A local Ray for this process (unless one is up) and the lease registry the `ray` backend
+    needs; returns `settings` naming that Ray's address, for benches and single-machine runs."""
+    from kv_transfer.ray_lease import start_lease_registry
+
+    if not ray.is_initialized():
+        ray.init(
+            address="local",
+            namespace=settings.ray_namespace,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
+    # Detached: Ray collects a named actor once its creator drops the handle; this one must
+    # live as long as the (local) cluster does.
+    start_lease_registry(settings.lease_registry, settings.ray_namespace, detached=True)
+    return replace(settings, ray_address=ray.get_runtime_context().gcs_address)

@@ -1,0 +1,71 @@
+"""Lease bookkeeping behind the KVLeaseRegistry actor (pure, fake clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_transfer.leases import LeaseTable
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_table() -> tuple[LeaseTable[str], FakeClock]:
+    clock = FakeClock()
+    return LeaseTable(clock), clock
+
+
+def test_take_lends_until_release() -> None:
+    table, _ = make_table()
+    assert table.register("k", "kv", lease_seconds=10) == 1010.0
+    lease = table.take("k")
+    assert lease is not None and lease.payload == "kv"
+    assert table.take("k") is not None  # taking does not consume the lease
+    assert table.release("k") is True
+    assert table.take("k") is None
+    assert table.release("k") is False
+    assert table.num_live() == 0
+
+
+def test_expired_leases_are_gone_and_swept() -> None:
+    table, clock = make_table()
+    table.register("short", "a", lease_seconds=1)
+    table.register("long", "b", lease_seconds=100)
+    clock.now += 1
+    assert table.take("short") is None
+    table.register("short2", "c", lease_seconds=1)
+    clock.now += 5
+    assert table.sweep_expired() == ["short2"]
+    assert table.num_live() == 1
+    clock.now += 100
+    assert table.num_live() == 0
+
+
+def test_register_again_replaces_and_renews() -> None:
+    table, clock = make_table()
+    table.register("k", "old", lease_seconds=1)
+    clock.now += 0.5
+    table.register("k", "new", lease_seconds=1)
+    clock.now += 0.9
+    lease = table.take("k")
+    assert lease is not None and lease.payload == "new"
+    assert table.num_live() == 1
+
+
+def test_release_many_counts_only_live_keys() -> None:
+    table, _ = make_table()
+    table.register("a", "1", lease_seconds=5)
+    table.register("b", "2", lease_seconds=5)
+    assert table.release_many(["a", "b", "c"]) == 2
+    assert table.num_live() == 0
+
+
+def test_lease_must_be_positive() -> None:
+    table, _ = make_table()
+    with pytest.raises(ValueError):
+        table.register("k", "v", lease_seconds=0)
