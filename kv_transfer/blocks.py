@@ -59,8 +59,10 @@ def plan_load(num_tokens: int, num_local_tokens: int, block_size: int) -> LoadPl
 
 
 @dataclass(frozen=True)
-class KVLayout:
-    """What a block of KV looks like in one engine; producer and consumer must agree exactly."""
+class BlockLayout:
+    """What a block of KV looks like in one engine's paged cache; producer and consumer must
+    agree exactly. The connector checks it on every load; `handoff.KVLayout` is the model-level
+    record (weights digest included) that the decode worker checks before asking for a load."""
 
     num_layers: int
     block_size: int
@@ -82,7 +84,7 @@ class KVLayout:
         return out
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> KVLayout:
+    def from_dict(cls, raw: Mapping[str, Any]) -> BlockLayout:
         missing = [f.name for f in fields(cls) if f.name not in raw]
         if missing:
             raise ValueError(f"KV layout lacks {', '.join(missing)}")
@@ -99,7 +101,7 @@ class KVLayout:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"malformed KV layout {dict(raw)!r}: {exc}") from exc
 
-    def describe_mismatch(self, other: KVLayout) -> str | None:
+    def describe_mismatch(self, other: BlockLayout) -> str | None:
         """None when equal, else 'field: here X, there Y; ...' naming every difference."""
         diffs = [
             f"{f.name}: here {getattr(self, f.name)!r}, producer {getattr(other, f.name)!r}"

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
-from kv_transfer.blocks import KVLayout, num_blocks_for
+from kv_transfer.blocks import BlockLayout, num_blocks_for
 
 HANDOFF_PARAM = "ray_kv"
 LOAD_STATUS_PARAM = "ray_kv_load"
@@ -76,7 +76,7 @@ class RayKVHandoff:
     expires_at: float
     digest: str
     prompt_digest: str
-    layout: KVLayout
+    layout: BlockLayout
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -100,7 +100,7 @@ class RayKVHandoff:
                 expires_at=float(raw["expires_at"]),
                 digest=str(raw["digest"]),
                 prompt_digest=str(raw["prompt_digest"]),
-                layout=KVLayout.from_dict(raw["layout"]),
+                layout=BlockLayout.from_dict(raw["layout"]),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"malformed '{HANDOFF_PARAM}': {exc}") from exc

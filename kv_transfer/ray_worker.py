@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import ray
 
-from kv_transfer.blocks import KVLayout, block_checksums, corrupt_blocks, kv_digest
+from kv_transfer.blocks import BlockLayout, block_checksums, corrupt_blocks, kv_digest
 from kv_transfer.ray_lease import StoredKV
 from kv_transfer.ray_metadata import LoadRequest, SaveRequest
 from kv_transfer.ray_params import RayKVHandoff, RayKVSettings
@@ -45,7 +45,7 @@ class RayKVWorker:
         self._engine_id = engine_id
         self._registry = registry
         self._layers: list[np.ndarray] = []
-        self.layout: KVLayout | None = None
+        self.layout: BlockLayout | None = None
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self.stats = RayKVConnectorStats()
@@ -66,7 +66,7 @@ class RayKVWorker:
             raise ValueError("RayKVConnector copies host KV caches with a contiguous last axis")
         # Shares memory with the cache: rows are blocks, columns the block's bytes.
         self._layers = [t.view(torch.uint8).numpy().reshape(num_blocks, -1) for t in tensors]
-        self.layout = KVLayout(
+        self.layout = BlockLayout(
             num_layers=len(tensors),
             dtype=str(tensors[0].dtype).removeprefix("torch."),
             block_shape=tuple(tensors[0].shape[1:]),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kv_transfer.blocks import (
-    KVLayout,
+    BlockLayout,
     block_checksums,
     corrupt_blocks,
     kv_digest,
@@ -16,7 +16,7 @@ from kv_transfer.blocks import (
 )
 from kv_transfer.ray_params import RayKVHandoff, RayKVSettings, consumer_params, make_lease_key
 
-LAYOUT = KVLayout(
+LAYOUT = BlockLayout(
     num_layers=4,
     block_size=32,
     num_kv_heads=2,
@@ -96,7 +96,7 @@ def test_prompt_digest_tells_prompts_apart() -> None:
 
 def test_layout_mismatch_names_every_differing_field() -> None:
     assert LAYOUT.describe_mismatch(LAYOUT) is None
-    other = KVLayout.from_dict({**LAYOUT.to_dict(), "dtype": "bfloat16", "block_size": 64})
+    other = BlockLayout.from_dict({**LAYOUT.to_dict(), "dtype": "bfloat16", "block_size": 64})
     message = LAYOUT.describe_mismatch(other)
     assert message is not None
     assert "dtype: here 'float32', producer 'bfloat16'" in message
@@ -105,11 +105,11 @@ def test_layout_mismatch_names_every_differing_field() -> None:
 
 
 def test_layout_round_trips_and_rejects_missing_fields() -> None:
-    assert KVLayout.from_dict(LAYOUT.to_dict()) == LAYOUT
+    assert BlockLayout.from_dict(LAYOUT.to_dict()) == LAYOUT
     raw = LAYOUT.to_dict()
     del raw["head_size"]
     with pytest.raises(ValueError, match="head_size"):
-        KVLayout.from_dict(raw)
+        BlockLayout.from_dict(raw)
 
 
 def test_handoff_round_trips_through_plain_json_types() -> None:
