@@ -11,16 +11,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
-from engine.async_engine import kv_cache_is_empty, start_async_engine
 from engine.request import GenerationRequest
 from engine.sampling import to_sampling_params
-from engine.settings import EngineSettings
-from engine.stats import EngineStatsRecorder
-from kv_transfer.base import TransferSettings, make_backend
+from kv_transfer.endpoint import KVEndpoint
 from kv_transfer.handoff import KVHandoff, KVHandshakeError, KVTransferError
-from kv_transfer.layout import kv_layout_for
 
 
 @dataclass(frozen=True)
@@ -29,26 +24,9 @@ class DecodeChunk:
     finish_reason: str | None
 
 
-class DecodeWorker:
-    def __init__(
-        self, settings: EngineSettings, transfer: TransferSettings, worker_id: str | None = None
-    ) -> None:
-        self.settings = settings
-        self.transfer = transfer
-        self.backend = make_backend(transfer)
-        self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
-        self.layout = kv_layout_for(settings)
-        self.engine: Any = None
-        self.start_seconds = 0.0
-        self.stats = EngineStatsRecorder()
-
-    def start(self) -> None:
-        self.engine, self.start_seconds = start_async_engine(
-            self.settings,
-            self.backend.consumer_config(self.worker_id),
-            self.backend.process_env(),
-            self.stats,
-        )
+class DecodeWorker(KVEndpoint):
+    role = "consumer"
+    id_prefix = "decode"
 
     def check_handoff(self, handoff: KVHandoff) -> None:
         if handoff.backend != self.backend.name:
@@ -96,14 +74,3 @@ class DecodeWorker:
             f"release-{handoff.request_id}-{uuid.uuid4().hex[:6]}",
             self.backend.rejection_params(handoff.pull),
         )
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
-
-    async def is_idle(self) -> bool:
-        return await kv_cache_is_empty(self.engine)
-
-    def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None

@@ -9,18 +9,12 @@ expires): whoever receives a PrefillResult must hand it to `DecodeWorker.decode`
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
-from typing import Any
 
-from engine.async_engine import kv_cache_is_empty, start_async_engine
 from engine.request import GenerationRequest
 from engine.sampling import to_sampling_params
-from engine.settings import EngineSettings
-from engine.stats import EngineStatsRecorder
-from kv_transfer.base import TransferSettings, make_backend
+from kv_transfer.endpoint import KVEndpoint
 from kv_transfer.handoff import KVHandoff, KVTransferError
-from kv_transfer.layout import kv_layout_for
 
 
 @dataclass(frozen=True)
@@ -32,26 +26,9 @@ class PrefillResult:
     prefill_seconds: float
 
 
-class PrefillWorker:
-    def __init__(
-        self, settings: EngineSettings, transfer: TransferSettings, worker_id: str | None = None
-    ) -> None:
-        self.settings = settings
-        self.transfer = transfer
-        self.backend = make_backend(transfer)
-        self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
-        self.layout = kv_layout_for(settings)
-        self.engine: Any = None
-        self.start_seconds = 0.0
-        self.stats = EngineStatsRecorder()
-
-    def start(self) -> None:
-        self.engine, self.start_seconds = start_async_engine(
-            self.settings,
-            self.backend.producer_config(self.worker_id),
-            self.backend.process_env(),
-            self.stats,
-        )
+class PrefillWorker(KVEndpoint):
+    role = "producer"
+    id_prefix = "prefill"
 
     async def prefill(self, request: GenerationRequest) -> PrefillResult:
         if request.num_prompt_tokens >= self.settings.max_model_len:
@@ -94,14 +71,3 @@ class PrefillWorker:
             pull=self.backend.parse_producer_output(params),
         )
         return PrefillResult(first_token, handoff, finish_reason, elapsed)
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
-
-    async def is_idle(self) -> bool:
-        return await kv_cache_is_empty(self.engine)
-
-    def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
