@@ -1,0 +1,299 @@
+"""Untrusted request bodies -> validated, typed requests. Pure: no I/O, no tokenizer.
+
+Two steps, because the second needs token ids:
+1. `validate_request(body, limits)`: the JSON/protobuf body as a plain dict -> `ValidatedRequest`
+   (types, ranges, model name, prompt xor chat messages, unknown fields).
+2. `fit_to_context(request, num_prompt_tokens, max_model_len)`: once tokenized, the prompt and
+   its output must fit the model's context -> the final `GenerationParams`.
+
+    context (max_model_len)  |<---------------------------------------------->|
+    request                  |<---- prompt tokens ---->|<--- max_tokens --->|  must fit
+
+An explicit `max_tokens` that does not fit is rejected, as OpenAI-style servers do: silently
+returning fewer tokens than asked would look like an early stop. A default `max_tokens` (the
+client sent none) is clamped to the room left, as vLLM does.
+
+Every failure is one `InvalidRequest` (a ValueError) naming the field; the edge maps it to
+INVALID_ARGUMENT / HTTP 400.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from engine.params import MAX_TOKENS_LIMIT, GenerationParams
+
+CHAT_ROLES = frozenset({"system", "user", "assistant"})
+KNOWN_FIELDS = frozenset(
+    {"model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed"}
+    | {"stream", "stop", "ignore_eos"}
+)
+MAX_SEED = 2**63 - 1  # the protobuf field is int64
+MAX_STOP_SEQUENCES = 4
+
+
+class InvalidRequest(ValueError):
+    """A request field is missing, of the wrong type or out of range."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What this router accepts; built once from the deployment config."""
+
+    served_models: frozenset[str]
+    # Used when the body names no model; None makes `model` required.
+    default_model: str | None = None
+    max_tokens_limit: int = MAX_TOKENS_LIMIT
+    default_max_tokens: int = GenerationParams().max_tokens
+    # Bounds the tokenizer's work before any token is counted.
+    max_prompt_chars: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if not self.served_models:
+            raise ValueError("served_models must name at least one model")
+        if self.default_model is not None and self.default_model not in self.served_models:
+            raise ValueError(f"default_model {self.default_model!r} is not a served model")
+        if not 1 <= self.max_tokens_limit <= MAX_TOKENS_LIMIT:
+            raise ValueError(f"max_tokens_limit must be in [1, {MAX_TOKENS_LIMIT}]")
+        if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
+            raise ValueError("default_max_tokens must be in [1, max_tokens_limit]")
+        if self.max_prompt_chars < 1:
+            raise ValueError("max_prompt_chars must be >= 1")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A request whose fields all passed validation; exactly one of prompt / messages is set."""
+
+    model: str
+    prompt: str | None
+    messages: tuple[ChatMessage, ...] | None
+    params: GenerationParams
+    stream: bool = False
+    stop: tuple[str, ...] = ()
+    # False when max_tokens is the router's default: then it may be clamped to the context.
+    is_max_tokens_explicit: bool = True
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+    @property
+    def prompt_field(self) -> str:
+        """The body field that carried the prompt, for errors found after tokenizing."""
+        return "messages" if self.is_chat else "prompt"
+
+
+def validate_request(body: Mapping[str, Any], limits: RequestLimits) -> ValidatedRequest:
+    if not isinstance(body, Mapping):
+        raise InvalidRequest("body", f"must be an object, got {_type_name(body)}")
+    unknown = sorted(str(key) for key in body if key not in KNOWN_FIELDS)
+    if unknown:
+        raise InvalidRequest(
+            unknown[0], f"unknown field; allowed: {', '.join(sorted(KNOWN_FIELDS))}"
+        )
+    model = _model(body, limits)
+    prompt, messages = _prompt_or_messages(body, limits)
+    max_tokens = _optional_int(body, "max_tokens", 1, limits.max_tokens_limit)
+    params = GenerationParams(
+        max_tokens=limits.default_max_tokens if max_tokens is None else max_tokens,
+        temperature=_optional_float(body, "temperature", 0.0, 2.0, default=0.0),
+        top_p=_optional_float(body, "top_p", 0.0, 1.0, default=1.0, low_open=True),
+        top_k=_optional_int(body, "top_k", 0, None, hint=" (0 disables it)") or 0,
+        seed=_optional_int(body, "seed", 0, MAX_SEED),
+        ignore_eos=_optional_bool(body, "ignore_eos"),
+    )
+    return ValidatedRequest(
+        model=model,
+        prompt=prompt,
+        messages=messages,
+        params=params,
+        stream=_optional_bool(body, "stream"),
+        stop=_stop(body.get("stop")),
+        is_max_tokens_explicit=max_tokens is not None,
+    )
+
+
+def fit_to_context(
+    request: ValidatedRequest, num_prompt_tokens: int, max_model_len: int
+) -> GenerationParams:
+    """The request's params once the prompt is tokenized; raises if it cannot fit the context."""
+    if num_prompt_tokens < 1:
+        raise InvalidRequest(request.prompt_field, "encodes to zero tokens")
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise InvalidRequest(
+            request.prompt_field,
+            f"is {num_prompt_tokens} tokens; this model's context is {max_model_len} tokens, "
+            f"so the prompt must be at most {max_model_len - 1} tokens",
+        )
+    max_tokens = request.params.max_tokens
+    if max_tokens <= room:
+        return request.params
+    if not request.is_max_tokens_explicit:
+        return replace(request.params, max_tokens=room)
+    raise InvalidRequest(
+        "max_tokens",
+        f"must be in [1, {room}] for this {num_prompt_tokens}-token prompt "
+        f"(context {max_model_len} tokens), got {max_tokens}",
+    )
+
+
+def _model(body: Mapping[str, Any], limits: RequestLimits) -> str:
+    model = body.get("model")
+    if model is None:
+        if limits.default_model is None:
+            raise InvalidRequest("model", "is required")
+        return limits.default_model
+    if not isinstance(model, str):
+        raise InvalidRequest("model", f"must be a string, got {_type_name(model)}")
+    if model not in limits.served_models:
+        served = ", ".join(sorted(limits.served_models))
+        raise InvalidRequest("model", f"{model!r} is not served here; served: {served}")
+    return model
+
+
+def _prompt_or_messages(
+    body: Mapping[str, Any], limits: RequestLimits
+) -> tuple[str | None, tuple[ChatMessage, ...] | None]:
+    prompt, raw_messages = body.get("prompt"), body.get("messages")
+    if prompt is not None and raw_messages is not None:
+        raise InvalidRequest("prompt", "send either prompt or messages, not both")
+    if prompt is None and raw_messages is None:
+        raise InvalidRequest("prompt", "is required (or send chat messages)")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise InvalidRequest("prompt", f"must be a string, got {_type_name(prompt)}")
+        if not prompt:
+            raise InvalidRequest("prompt", "must not be empty")
+        _check_chars("prompt", len(prompt), limits)
+        return prompt, None
+    messages = _messages(raw_messages)
+    _check_chars("messages", sum(len(m.content) for m in messages), limits)
+    return None, messages
+
+
+def _messages(raw: object) -> tuple[ChatMessage, ...]:
+    if not isinstance(raw, list | tuple):
+        raise InvalidRequest("messages", f"must be a list of messages, got {_type_name(raw)}")
+    if not raw:
+        raise InvalidRequest("messages", "must hold at least one message")
+    messages = tuple(_message(f"messages[{i}]", item) for i, item in enumerate(raw))
+    if not any(m.content for m in messages):
+        raise InvalidRequest("messages", "must hold at least one message with non-empty content")
+    return messages
+
+
+def _message(field: str, raw: object) -> ChatMessage:
+    if not isinstance(raw, Mapping):
+        raise InvalidRequest(field, f"must be an object, got {_type_name(raw)}")
+    extra = sorted(str(key) for key in raw if key not in ("role", "content"))
+    if extra:
+        raise InvalidRequest(f"{field}.{extra[0]}", "unknown field; allowed: role, content")
+    role = raw.get("role")
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        allowed = ", ".join(sorted(CHAT_ROLES))
+        raise InvalidRequest(f"{field}.role", f"must be one of {allowed}, got {role!r}")
+    return ChatMessage(role, _content(f"{field}.content", raw.get("content")))
+
+
+def _content(field: str, raw: object) -> str:
+    """A string, or OpenAI's list of text parts (joined); other part types are refused."""
+    if isinstance(raw, str):
+        return raw
+    if not isinstance(raw, list | tuple):
+        raise InvalidRequest(
+            field, f"must be a string or a list of text parts, got {_type_name(raw)}"
+        )
+    texts = []
+    for i, part in enumerate(raw):
+        if not isinstance(part, Mapping) or part.get("type") != "text":
+            raise InvalidRequest(f"{field}[{i}]", 'must be {"type": "text", "text": ...}')
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidRequest(f"{field}[{i}].text", f"must be a string, got {_type_name(text)}")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _stop(raw: object) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    stops = (raw,) if isinstance(raw, str) else raw
+    if not isinstance(stops, list | tuple) or not all(isinstance(s, str) for s in stops):
+        raise InvalidRequest("stop", f"must be a string or a list of strings, got {raw!r}")
+    if len(stops) > MAX_STOP_SEQUENCES or not all(stops):
+        raise InvalidRequest(
+            "stop", f"must hold 1 to {MAX_STOP_SEQUENCES} non-empty strings, got {raw!r}"
+        )
+    return tuple(stops)
+
+
+def _check_chars(field: str, num_chars: int, limits: RequestLimits) -> None:
+    if num_chars > limits.max_prompt_chars:
+        raise InvalidRequest(
+            field, f"is {num_chars} characters; at most {limits.max_prompt_chars} are accepted"
+        )
+
+
+def _optional_int(
+    body: Mapping[str, Any], field: str, low: int, high: int | None, hint: str = ""
+) -> int | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    # bool is an int subclass: `true` for max_tokens is a client bug, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(field, f"must be an integer, got {_type_name(value)}")
+    if value < low or (high is not None and value > high):
+        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise InvalidRequest(field, f"must be {allowed}{hint}, got {value}")
+    return value
+
+
+def _optional_float(
+    body: Mapping[str, Any],
+    field: str,
+    low: float,
+    high: float,
+    *,
+    default: float,
+    low_open: bool = False,
+) -> float:
+    value = body.get(field)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(field, f"must be a number, got {_type_name(value)}")
+    number = float(value)
+    is_above_low = number > low if low_open else number >= low
+    if not (math.isfinite(number) and is_above_low and number <= high):
+        allowed = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
+        raise InvalidRequest(field, f"must be in {allowed}, got {value}")
+    return number
+
+
+def _optional_bool(body: Mapping[str, Any], field: str) -> bool:
+    value = body.get(field)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequest(field, f"must be true or false, got {_type_name(value)}")
+    return value
+
+
+def _type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
