@@ -56,6 +56,10 @@ class TransferSettings:
 class KVBackend(ABC):
     name: ClassVar[str]
     required_modules: ClassVar[tuple[str, ...]] = ()
+    # True when releasing a handoff that the consumer engine may also have released (or may
+    # still be reading) is harmless: then a decode that ends abnormally releases it again, which
+    # closes the window where a cancel lands before the consumer engine has taken the request.
+    release_is_idempotent: ClassVar[bool] = False
 
     def __init__(self, settings: TransferSettings) -> None:
         self.settings = settings

@@ -62,3 +62,7 @@ class LeaseTable(Generic[T]):
     def num_live(self) -> int:
         self.sweep_expired()
         return len(self._leases)
+
+    def live_keys(self) -> list[str]:
+        self.sweep_expired()
+        return sorted(self._leases)

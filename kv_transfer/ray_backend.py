@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 class RayBackend(KVBackend):
     name = "ray"
     required_modules = ("ray",)
+    # Leases live in the registry: a second release is a no-op, and a consumer still reading
+    # holds its own refs and checks every block.
+    release_is_idempotent = True
 
     def _config(self, engine_id: str, role: str) -> KVTransferConfig:
         from vllm.config import KVTransferConfig

@@ -73,6 +73,11 @@ class KVLeaseRegistry:
         with self._lock:
             return self._table.num_live()
 
+    def live_keys(self) -> list[str]:
+        """Keys of the live leases (for leak reports and `pdserve status`)."""
+        with self._lock:
+            return self._table.live_keys()
+
 
 def start_lease_registry(name: str, namespace: str | None = None, *, detached: bool = False) -> Any:
     """Start the named registry, or return the running one of that name."""

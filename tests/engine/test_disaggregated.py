@@ -46,12 +46,13 @@ async def test_sixteen_concurrent_requests(
     pd_case: tuple[str, str, Pair], request: pytest.FixtureRequest
 ) -> None:
     _, model_name, (prefill, decode) = pd_case
-    mono, _ = _oracles(request, model_name)
+    mono, reference = _oracles(request, model_name)
     params = make_greedy(max_tokens=10, ignore_eos=True)
     prompts = [prompt_of_length(mono.tokenizer, 5 + 23 * i) for i in range(16)]
     got = await asyncio.gather(*(run_pd(prefill, decode, make_request(p, params)) for p in prompts))
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == mono.generate([list(prompt)], params)[0].token_ids, len(prompt)
+        assert tokens == reference.generate(list(prompt), params), len(prompt)
     assert await wait_idle(prefill, decode)
 
 

@@ -81,7 +81,7 @@ async def test_fifty_requests_with_cancellations_leak_nothing(
     for start in range(0, 50, 10):
         await asyncio.gather(*jobs[start : start + 10])
     assert await wait_idle(*pair, timeout=60), "KV blocks still held after all requests ended"
-    assert await live_leases(pair[0]) == 0
+    assert await live_leases(pair[0]) == 0, await live_lease_keys(pair[0])
     # And the pair still serves correctly afterwards.
     tokens = await run_pd(*pair, make_request((5, 6, 7), make_greedy(max_tokens=4)))
     assert len(tokens) == 4
@@ -94,6 +94,13 @@ async def test_finished_at_first_token_releases_the_lease(pd_case: tuple[str, st
         assert len(tokens) == 1
     assert await wait_idle(*pair, timeout=10)
     assert await live_leases(pair[0]) == 0
+
+
+async def live_lease_keys(prefill: PrefillWorker) -> list[str]:
+    from kv_transfer.ray_lease import get_lease_registry
+
+    registry = get_lease_registry(prefill.transfer.lease_registry, prefill.transfer.ray_namespace)
+    return list(await registry.live_keys.remote())
 
 
 async def test_layout_mismatch_is_refused_before_transfer(
