@@ -27,6 +27,19 @@ def _oracles(request: pytest.FixtureRequest, model_name: str) -> tuple[LocalEngi
     )
 
 
+def assert_matches_oracles(
+    got: list[int],
+    prompt: tuple[int, ...],
+    params: GenerationParams,
+    mono: LocalEngine,
+    reference: ReferenceModel,
+) -> None:
+    want = mono.generate([list(prompt)], params)[0].token_ids
+    assert got == want, f"{len(prompt)}-token prompt: disaggregated {got} != monolithic {want}"
+    oracle = reference.generate(list(prompt), params)
+    assert got == oracle, f"{len(prompt)}-token prompt: {got} != transformers {oracle}"
+
+
 async def test_greedy_matches_monolithic_and_transformers(
     pd_case: tuple[str, str, Pair], request: pytest.FixtureRequest
 ) -> None:
@@ -36,9 +49,7 @@ async def test_greedy_matches_monolithic_and_transformers(
     for length in PROMPT_LENGTHS:
         prompt = prompt_of_length(mono.tokenizer, length)
         got = await run_pd(prefill, decode, make_request(prompt, params))
-        want = mono.generate([list(prompt)], params)[0].token_ids
-        assert got == want, f"{length}-token prompt: disaggregated {got} != monolithic {want}"
-        assert got == reference.generate(list(prompt), params), f"{length}-token prompt"
+        assert_matches_oracles(got, prompt, params, mono, reference)
     assert await wait_idle(prefill, decode)
 
 
@@ -51,8 +62,7 @@ async def test_sixteen_concurrent_requests(
     prompts = [prompt_of_length(mono.tokenizer, 5 + 23 * i) for i in range(16)]
     got = await asyncio.gather(*(run_pd(prefill, decode, make_request(p, params)) for p in prompts))
     for prompt, tokens in zip(prompts, got, strict=True):
-        assert tokens == mono.generate([list(prompt)], params)[0].token_ids, len(prompt)
-        assert tokens == reference.generate(list(prompt), params), len(prompt)
+        assert_matches_oracles(tokens, prompt, params, mono, reference)
     assert await wait_idle(prefill, decode)
 
 
