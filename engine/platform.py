@@ -18,10 +18,6 @@ def detect_device() -> Device:
     return "cuda" if probe.returncode == 0 and b"GPU" in probe.stdout else "cpu"
 
 
-def available_cores() -> list[int]:
-    return sorted(os.sched_getaffinity(0))
-
-
 def pin_current_process(cores: tuple[int, ...]) -> None:
     """Restrict this process and torch's intra-op pool to `cores`.
 

@@ -8,7 +8,7 @@ defaults stand.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -42,7 +42,6 @@ class EngineSettings:
     cpu_cores: tuple[int, ...] | None = None
     gpu_memory_utilization: float = 0.9
     served_model_name: str | None = None
-    extra_env: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.device == "cpu":
@@ -71,7 +70,7 @@ class EngineSettings:
 
     def process_env(self) -> dict[str, str]:
         """Environment the engine's processes need; set before the engine starts."""
-        env = dict(self.extra_env)
+        env: dict[str, str] = {}
         if self.device == "cpu" and self.cpu_cores is not None:
             # Applied by vLLM's own CPU worker processes (multiprocess engines).
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in self.cpu_cores)

@@ -1,12 +1,12 @@
 """The KV transfer interface: one narrow backend class, backends registered by name.
 
 Call order, per request:
+  both sides
+    transfer_config(engine_id, role)     once, at engine start: vLLM's KVTransferConfig
   producer side (prefill worker)
-    producer_config(engine_id)           once, at engine start: vLLM's KVTransferConfig
     producer_request_params()            per prefill: kv_transfer_params for max_tokens=1
     parse_producer_output(params)        per prefill: the engine's output params -> typed pull
   consumer side (decode worker)
-    consumer_config(engine_id)           once, at engine start
     consumer_request_params(pull)        per decode: kv_transfer_params that make vLLM pull
     rejection_params(pull)               per handoff never decoded: lets the consumer engine's
                                          connector release the producer's lease now
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -29,6 +28,7 @@ if TYPE_CHECKING:
     from vllm.config import KVTransferConfig
 
 FailurePolicy = Literal["recompute", "fail"]
+Role = Literal["producer", "consumer"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,10 @@ class TransferSettings:
 class KVBackend(ABC):
     name: ClassVar[str]
     required_modules: ClassVar[tuple[str, ...]] = ()
+    # The vLLM connector class, loaded by module path: a name registered in this process does
+    # not reach vLLM's child processes.
+    connector: ClassVar[str]
+    connector_module: ClassVar[str]
     # True when releasing a handoff that the consumer engine may also have released (or may
     # still be reading) is harmless: then a decode that ends abnormally releases it again, which
     # closes the window where a cancel lands before the consumer engine has taken the request.
@@ -64,11 +68,26 @@ class KVBackend(ABC):
     def __init__(self, settings: TransferSettings) -> None:
         self.settings = settings
 
-    @abstractmethod
-    def producer_config(self, engine_id: str) -> KVTransferConfig: ...
+    def transfer_config(self, engine_id: str, role: Role) -> KVTransferConfig:
+        from vllm.config import KVTransferConfig
+
+        buffer_device = self.kv_buffer_device()
+        return KVTransferConfig(
+            kv_connector=self.connector,
+            kv_connector_module_path=self.connector_module,
+            kv_role="kv_producer" if role == "producer" else "kv_consumer",
+            engine_id=engine_id,
+            kv_load_failure_policy=self.settings.failure_policy,
+            kv_connector_extra_config=self.connector_extra_config(),
+            **({"kv_buffer_device": buffer_device} if buffer_device else {}),
+        )
 
     @abstractmethod
-    def consumer_config(self, engine_id: str) -> KVTransferConfig: ...
+    def connector_extra_config(self) -> dict[str, Any]: ...
+
+    def kv_buffer_device(self) -> str | None:
+        """Where the connector stages KV; None keeps vLLM's default."""
+        return None
 
     def producer_request_params(self) -> dict[str, Any]:
         return {"do_remote_decode": True}
@@ -118,9 +137,5 @@ def make_backend(settings: TransferSettings) -> KVBackend:
 
 
 def _load_builtin_backends() -> None:
-    loaders: list[Callable[[], object]] = [
-        lambda: importlib.import_module("kv_transfer.nixl"),
-        lambda: importlib.import_module("kv_transfer.ray_backend"),
-    ]
-    for load in loaders:
-        load()
+    for module in ("kv_transfer.nixl", "kv_transfer.ray_backend"):
+        importlib.import_module(module)

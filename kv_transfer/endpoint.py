@@ -8,15 +8,13 @@ the strict idle check and shutdown. The workers add their half of the request li
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from engine.async_engine import kv_cache_is_empty, start_async_engine
 from engine.settings import EngineSettings
 from engine.stats import EngineStatsRecorder
-from kv_transfer.base import TransferSettings, make_backend
+from kv_transfer.base import Role, TransferSettings, make_backend
 from kv_transfer.layout import kv_layout_for
-
-Role = Literal["producer", "consumer"]
 
 
 class KVEndpoint:
@@ -36,12 +34,11 @@ class KVEndpoint:
         self.stats = EngineStatsRecorder()
 
     def start(self) -> None:
-        if self.role == "producer":
-            kv_config = self.backend.producer_config(self.worker_id)
-        else:
-            kv_config = self.backend.consumer_config(self.worker_id)
         self.engine, self.start_seconds = start_async_engine(
-            self.settings, kv_config, self.backend.process_env(), self.stats
+            self.settings,
+            self.backend.transfer_config(self.worker_id, self.role),
+            self.backend.process_env(),
+            self.stats,
         )
 
     async def abort(self, request_id: str) -> None:

@@ -7,13 +7,10 @@ which tames NIXL's busy-polling threads before the agent starts (see that module
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kv_transfer.base import KVBackend, register_backend
 from kv_transfer.handoff import NixlPull, RayPull
-
-if TYPE_CHECKING:
-    from vllm.config import KVTransferConfig
 
 
 @register_backend
@@ -21,30 +18,17 @@ class NixlBackend(KVBackend):
     name = "nixl"
     required_modules = ("nixl",)
 
-    def _config(self, engine_id: str, role: str) -> KVTransferConfig:
-        from vllm.config import KVTransferConfig
+    connector = "PdNixlConnector"
+    connector_module = "kv_transfer.nixl_connector"
 
+    def connector_extra_config(self) -> dict[str, Any]:
+        # num_threads 0: UCX's extra progress thread spins half a core on CPU hosts.
+        return {"num_threads": 0, "kv_lease_duration": int(self.settings.lease_seconds)}
+
+    def kv_buffer_device(self) -> str:
         from engine.platform import detect_device
 
-        return KVTransferConfig(
-            kv_connector="PdNixlConnector",
-            kv_connector_module_path="kv_transfer.nixl_connector",
-            kv_role=role,
-            engine_id=engine_id,
-            kv_buffer_device="cpu" if detect_device() == "cpu" else "cuda",
-            kv_load_failure_policy=self.settings.failure_policy,
-            # num_threads 0: UCX's extra progress thread spins half a core on CPU hosts.
-            kv_connector_extra_config={
-                "num_threads": 0,
-                "kv_lease_duration": int(self.settings.lease_seconds),
-            },
-        )
-
-    def producer_config(self, engine_id: str) -> KVTransferConfig:
-        return self._config(engine_id, "kv_producer")
-
-    def consumer_config(self, engine_id: str) -> KVTransferConfig:
-        return self._config(engine_id, "kv_consumer")
+        return "cpu" if detect_device() == "cpu" else "cuda"
 
     def parse_producer_output(self, params: dict[str, Any]) -> NixlPull:
         return NixlPull.from_producer_params(params)

@@ -3,13 +3,10 @@ a request's KV blocks through Ray's object store, layer by layer, with a checksu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kv_transfer.base import KVBackend, register_backend
 from kv_transfer.handoff import NixlPull, RayPull
-
-if TYPE_CHECKING:
-    from vllm.config import KVTransferConfig
 
 
 @register_backend
@@ -20,28 +17,16 @@ class RayBackend(KVBackend):
     # holds its own refs and checks every block.
     release_is_idempotent = True
 
-    def _config(self, engine_id: str, role: str) -> KVTransferConfig:
-        from vllm.config import KVTransferConfig
+    connector = "RayKVConnector"
+    connector_module = "kv_transfer.ray_connector"
 
-        return KVTransferConfig(
-            kv_connector="RayKVConnector",
-            kv_connector_module_path="kv_transfer.ray_connector",
-            kv_role=role,
-            engine_id=engine_id,
-            kv_load_failure_policy=self.settings.failure_policy,
-            kv_connector_extra_config={
-                "ray_address": self.settings.ray_address,
-                "ray_namespace": self.settings.ray_namespace,
-                "lease_registry": self.settings.lease_registry,
-                "lease_seconds": self.settings.lease_seconds,
-            },
-        )
-
-    def producer_config(self, engine_id: str) -> KVTransferConfig:
-        return self._config(engine_id, "kv_producer")
-
-    def consumer_config(self, engine_id: str) -> KVTransferConfig:
-        return self._config(engine_id, "kv_consumer")
+    def connector_extra_config(self) -> dict[str, Any]:
+        return {
+            "ray_address": self.settings.ray_address,
+            "ray_namespace": self.settings.ray_namespace,
+            "lease_registry": self.settings.lease_registry,
+            "lease_seconds": self.settings.lease_seconds,
+        }
 
     def parse_producer_output(self, params: dict[str, Any]) -> RayPull:
         if "ray_kv" not in params:
