@@ -1,0 +1,81 @@
+"""Every Redis key pdserve writes, all under `pdserve:{app}:` so apps can share one server.
+
+    pdserve:{app}:replicas:{pool}       hash   replica_id -> ReplicaStatus JSON
+    pdserve:{app}:prefix:{hash_hex}     string prefill replica id, expires (PX)
+    pdserve:{app}:samples:{metric}      list   latency samples in seconds, newest first, capped
+    pdserve:{app}:slo                   string PoolSLO JSON
+    pdserve:{app}:bounds:{pool}         string ReplicaBounds JSON
+    pdserve:{app}:pin:{pool}            string pinned replica count
+    pdserve:{app}:decisions             list   DecisionRecord JSON, newest first, capped
+
+Pure: no redis import. Names are validated here, once, so a typo in a pool or metric is a
+ValueError instead of a key nobody reads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+POOLS = ("prefill", "decode")
+METRICS = ("ttft", "tpot", "queue_wait", "prefill", "kv_transfer")
+KEY_ROOT = "pdserve"
+
+# No ':' (it separates key parts), no whitespace or braces (Redis Cluster hash tags).
+_APP_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def validate_pool(pool: str) -> str:
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    return pool
+
+
+def validate_metric(metric: str) -> str:
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    return metric
+
+
+@dataclass(frozen=True)
+class ControlKeys:
+    """The key names of one app; cheap to build, no I/O."""
+
+    app: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.app, str) or not _APP_NAME.fullmatch(self.app):
+            raise ValueError(
+                f"app name must be non-empty and use only letters, digits, '_', '.', '-'; "
+                f"got {self.app!r}"
+            )
+
+    @property
+    def namespace(self) -> str:
+        """The prefix every key of this app starts with (`pdserve:{app}:`)."""
+        return f"{KEY_ROOT}:{self.app}:"
+
+    def replicas(self, pool: str) -> str:
+        return f"{self.namespace}replicas:{validate_pool(pool)}"
+
+    def prefix(self, block_hash: bytes) -> str:
+        if not isinstance(block_hash, bytes) or not block_hash:
+            raise ValueError(f"block hash must be non-empty bytes, got {block_hash!r}")
+        return f"{self.namespace}prefix:{block_hash.hex()}"
+
+    def samples(self, metric: str) -> str:
+        return f"{self.namespace}samples:{validate_metric(metric)}"
+
+    @property
+    def slo(self) -> str:
+        return f"{self.namespace}slo"
+
+    def bounds(self, pool: str) -> str:
+        return f"{self.namespace}bounds:{validate_pool(pool)}"
+
+    def pin(self, pool: str) -> str:
+        return f"{self.namespace}pin:{validate_pool(pool)}"
+
+    @property
+    def decisions(self) -> str:
+        return f"{self.namespace}decisions"

@@ -1,0 +1,191 @@
+"""What the control plane stores, and its JSON form. Pure: no redis import, tested in ms.
+
+Each `decode_*` takes the raw value Redis returned (str or bytes) and raises ValueError naming
+the field when it is malformed: a bad record written by a buggy or newer writer is an error,
+never a silent default. Unknown fields are ignored so a newer writer can add some.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+from deploy.autoscaling.config import PoolSLO, ReplicaBounds
+from deploy.control.keys import validate_pool
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica's load, as it last reported it; `updated_at` is unix seconds."""
+
+    replica_id: str
+    pool: str
+    healthy: bool
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    pending_prefill_tokens: int
+    updated_at: float
+
+    def __post_init__(self) -> None:
+        if not self.replica_id:
+            raise ValueError("replica_id must be non-empty")
+        validate_pool(self.pool)
+        for name in ("num_running", "num_waiting", "pending_prefill_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.kv_usage <= 1.0:
+            raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
+        _check_timestamp("updated_at", self.updated_at)
+
+    def is_fresh(self, now: float, max_age_s: float) -> bool:
+        """Reported within `max_age_s` of `now`; a clock slightly ahead still counts as fresh."""
+        return now - self.updated_at <= max_age_s
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """One autoscaling decision, as `pdserve status` shows it; `at` is unix seconds."""
+
+    at: float
+    pool: str
+    current_replicas: int
+    target_replicas: int
+    reason: str
+    # The signals the decision read (p95s, queue wait, KV usage...), for the operator.
+    inputs: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_timestamp("at", self.at)
+        validate_pool(self.pool)
+        for name in ("current_replicas", "target_replicas"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        # A private copy: the record is frozen, so the caller's dict must not change it later.
+        object.__setattr__(self, "inputs", {str(k): float(v) for k, v in self.inputs.items()})
+
+
+def _check_timestamp(name: str, value: float) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite unix time >= 0, got {value}")
+
+
+def _dumps(data: dict[str, object]) -> str:
+    return json.dumps(data, separators=(",", ":"), sort_keys=True)
+
+
+def encode_replica_status(status: ReplicaStatus) -> str:
+    return _dumps(asdict(status))
+
+
+def decode_replica_status(raw: str | bytes) -> ReplicaStatus:
+    data = _load_object(raw, "replica status")
+    return ReplicaStatus(
+        replica_id=_str(data, "replica_id"),
+        pool=_str(data, "pool"),
+        healthy=_bool(data, "healthy"),
+        num_running=_int(data, "num_running"),
+        num_waiting=_int(data, "num_waiting"),
+        kv_usage=_float(data, "kv_usage"),
+        pending_prefill_tokens=_int(data, "pending_prefill_tokens"),
+        updated_at=_float(data, "updated_at"),
+    )
+
+
+def encode_decision(record: DecisionRecord) -> str:
+    return _dumps(asdict(record))
+
+
+def decode_decision(raw: str | bytes) -> DecisionRecord:
+    data = _load_object(raw, "decision record")
+    inputs = data.get("inputs", {})
+    if not isinstance(inputs, dict):
+        raise ValueError(f"decision record: 'inputs' must be an object, got {inputs!r}")
+    return DecisionRecord(
+        at=_float(data, "at"),
+        pool=_str(data, "pool"),
+        current_replicas=_int(data, "current_replicas"),
+        target_replicas=_int(data, "target_replicas"),
+        reason=_str(data, "reason"),
+        inputs={name: _float(inputs, name) for name in inputs},
+    )
+
+
+def encode_slo(slo: PoolSLO) -> str:
+    return _dumps(asdict(slo))
+
+
+def decode_slo(raw: str | bytes) -> PoolSLO:
+    data = _load_object(raw, "SLO")
+    return PoolSLO(ttft_p95_s=_float(data, "ttft_p95_s"), tpot_p95_s=_float(data, "tpot_p95_s"))
+
+
+def encode_bounds(bounds: ReplicaBounds) -> str:
+    return _dumps(asdict(bounds))
+
+
+def decode_bounds(raw: str | bytes) -> ReplicaBounds:
+    data = _load_object(raw, "replica bounds")
+    return ReplicaBounds(
+        min_replicas=_int(data, "min_replicas"), max_replicas=_int(data, "max_replicas")
+    )
+
+
+def encode_pin(num_replicas: int) -> str:
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 0:
+        raise ValueError(f"a pin must be an int >= 0, got {num_replicas!r}")
+    return str(num_replicas)
+
+
+def decode_pin(raw: str | bytes) -> int:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    # int() alone would also take " 4", "+4" and "4_0"; a pin is written by encode_pin only.
+    if not text.isascii() or not text.isdigit():
+        raise ValueError(f"pin: expected a replica count, got {text!r}")
+    return int(text)
+
+
+def _load_object(raw: str | bytes, what: str) -> dict[str, object]:
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{what}: not valid JSON ({error})") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{what}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _require(data: dict[str, object], name: str) -> object:
+    if name not in data:
+        raise ValueError(f"missing field {name!r}")
+    return data[name]
+
+
+def _str(data: dict[str, object], name: str) -> str:
+    value = _require(data, name)
+    if not isinstance(value, str):
+        raise ValueError(f"field {name!r} must be a string, got {value!r}")
+    return value
+
+
+def _bool(data: dict[str, object], name: str) -> bool:
+    value = _require(data, name)
+    if not isinstance(value, bool):
+        raise ValueError(f"field {name!r} must be a boolean, got {value!r}")
+    return value
+
+
+def _int(data: dict[str, object], name: str) -> int:
+    value = _require(data, name)
+    # bool is an int subclass; `true` for a count is a writer bug, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"field {name!r} must be an integer, got {value!r}")
+    return value
+
+
+def _float(data: dict[str, object], name: str) -> float:
+    value = _require(data, name)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"field {name!r} must be a number, got {value!r}")
+    return float(value)

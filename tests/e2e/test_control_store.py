@@ -1,0 +1,249 @@
+"""ControlStore and the private redis-server, against a real redis-server process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from deploy.autoscaling.config import PoolSLO, ReplicaBounds
+from deploy.control.records import DecisionRecord, ReplicaStatus
+from deploy.control.redis_server import RedisServer, start_redis_server
+from deploy.control.store import ControlStore
+from router.prefix import MatchResult, block_hashes
+
+
+def make_status(replica_id: str, pool: str = "prefill", age_s: float = 0.0) -> ReplicaStatus:
+    return ReplicaStatus(
+        replica_id=replica_id,
+        pool=pool,
+        healthy=True,
+        num_running=3,
+        num_waiting=1,
+        kv_usage=0.4,
+        pending_prefill_tokens=900,
+        updated_at=time.time() - age_s,
+    )
+
+
+def make_decision(index: int, pool: str = "prefill") -> DecisionRecord:
+    return DecisionRecord(
+        at=1_700_000_000.0 + index,
+        pool=pool,
+        current_replicas=index,
+        target_replicas=index + 1,
+        reason=f"decision {index}",
+        inputs={"ttft_p95_s": index / 10},
+    )
+
+
+def app_keys(server: RedisServer, app: str) -> set[bytes]:
+    client = redis.Redis.from_url(server.url)
+    try:
+        return set(client.scan_iter(match=f"pdserve:{app}:*"))
+    finally:
+        client.close()
+
+
+# The server process
+
+
+def test_server_is_private_and_outlives_its_session(redis_server: RedisServer) -> None:
+    assert redis_server.is_running()
+    assert os.getsid(redis_server.pid) != os.getsid(0)
+    assert redis_server.host == "127.0.0.1"
+    # The password travels through stdin, never argv (world-readable in /proc).
+    cmdline = Path(f"/proc/{redis_server.pid}/cmdline").read_bytes()
+    assert redis_server.password.encode() not in cmdline
+    assert redis_server.password not in repr(redis_server)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        assert client.config_get("save") == {"save": ""}
+        assert client.config_get("appendonly") == {"appendonly": "no"}
+        assert client.config_get("protected-mode") == {"protected-mode": "yes"}
+    finally:
+        client.close()
+
+
+async def test_wrong_or_missing_password_is_refused(redis_server: RedisServer) -> None:
+    wrong = redis_server.url.replace(redis_server.password, "not-the-password")
+    with pytest.raises(redis.AuthenticationError):
+        await ControlStore.connect(wrong, "demo")
+    anonymous = f"redis://{redis_server.host}:{redis_server.port}/0"
+    with pytest.raises(redis.AuthenticationError):
+        await ControlStore.connect(anonymous, "demo")
+
+
+def test_stop_leaves_no_process_and_is_idempotent(tmp_path: Path) -> None:
+    server = start_redis_server(tmp_path)
+    assert server.is_running()
+    server.stop()
+    assert not server.is_running()
+    assert not Path(f"/proc/{server.pid}").exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(server.pid, 0)
+    server.stop()  # Gone already: nothing to signal.
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(server.url, socket_connect_timeout=1).ping()
+
+
+def test_start_failure_names_the_log(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="redis-server exited with code 1") as error:
+        # TEST-NET-1: an address no interface here has, so redis cannot bind it.
+        start_redis_server(tmp_path, host="192.0.2.1", port=6399)
+    assert str(tmp_path / "redis-server.log") in str(error.value)
+    assert "Cannot assign requested address" in str(error.value)
+
+
+# Store round trips
+
+
+async def test_replica_status_round_trip_and_staleness(control_store: ControlStore) -> None:
+    fresh = [make_status("prefill-1"), make_status("prefill-0", age_s=5)]
+    for status in [*fresh, make_status("prefill-old", age_s=120)]:
+        await control_store.put_replica_status("prefill", status)
+    await control_store.put_replica_status("decode", make_status("decode-0", pool="decode"))
+
+    assert await control_store.replica_statuses("prefill") == sorted(
+        fresh, key=lambda status: status.replica_id
+    )
+    assert len(await control_store.replica_statuses("prefill", max_age_s=600)) == 3
+    assert [s.replica_id for s in await control_store.replica_statuses("decode")] == ["decode-0"]
+
+    await control_store.remove_replica("prefill", "prefill-1")
+    assert [s.replica_id for s in await control_store.replica_statuses("prefill")] == ["prefill-0"]
+    with pytest.raises(ValueError, match="decode replica put under pool 'prefill'"):
+        await control_store.put_replica_status("prefill", make_status("d", pool="decode"))
+
+
+async def test_prefix_index_match_and_expiry(control_store: ControlStore) -> None:
+    hashes = block_hashes(list(range(40)), block_size=8)  # 5 full blocks.
+    assert await control_store.prefix_owners(hashes) == [None] * 5
+    assert await control_store.longest_prefix_match(hashes) == MatchResult(None, 0)
+
+    await control_store.record_prefix(hashes[:3], "prefill-a", ttl_s=60)
+    await control_store.record_prefix(hashes[:2], "prefill-b", ttl_s=2.0)  # Last writer wins.
+    assert await control_store.prefix_owners(hashes) == [
+        "prefill-b", "prefill-b", "prefill-a", None, None,
+    ]  # fmt: skip
+    assert await control_store.longest_prefix_match(hashes) == MatchResult("prefill-a", 3)
+    assert await control_store.longest_prefix_match(hashes, {"prefill-b"}) == MatchResult(
+        "prefill-b", 2
+    )
+
+    await asyncio.sleep(2.3)
+    # Block 0 expired, so nothing chains from it even though block 2 is still owned.
+    assert await control_store.prefix_owners(hashes[:3]) == [None, None, "prefill-a"]
+    assert await control_store.longest_prefix_match(hashes) == MatchResult(None, 0)
+    assert await control_store.prefix_owners([]) == []
+
+
+async def test_samples_are_newest_first_and_capped(control_store: ControlStore) -> None:
+    for index in range(10):
+        await control_store.record_sample("ttft", index * 0.125, cap=4)
+    assert await control_store.recent_samples("ttft") == [1.125, 1.0, 0.875, 0.75]
+    assert await control_store.recent_samples("ttft", n=2) == [1.125, 1.0]
+    assert await control_store.recent_samples("tpot") == []
+    with pytest.raises(ValueError, match="finite number"):
+        await control_store.record_sample("tpot", float("inf"))
+    with pytest.raises(ValueError, match="metric must be one of"):
+        await control_store.record_sample("latency", 0.1)
+
+
+async def test_default_sample_cap(control_store: ControlStore) -> None:
+    for start in range(0, 2100, 300):
+        for index in range(start, min(start + 300, 2100)):
+            await control_store.record_sample("kv_transfer", float(index))
+    samples = await control_store.recent_samples("kv_transfer", n=5000)
+    assert len(samples) == 2048
+    assert samples[0] == 2099.0
+    assert samples[-1] == 2099.0 - 2047
+
+
+async def test_slo_bounds_and_pins(control_store: ControlStore) -> None:
+    assert await control_store.get_slo() is None
+    assert await control_store.get_bounds("prefill") is None
+    assert await control_store.get_pin("decode") is None
+
+    slo = PoolSLO(ttft_p95_s=2.0, tpot_p95_s=0.1)
+    await control_store.set_slo(slo)
+    await control_store.set_bounds("prefill", ReplicaBounds(min_replicas=1, max_replicas=6))
+    await control_store.set_pin("decode", 4)
+    assert await control_store.get_slo() == slo
+    assert await control_store.get_bounds("prefill") == ReplicaBounds(1, 6)
+    assert await control_store.get_bounds("decode") is None
+    assert await control_store.get_pin("decode") == 4
+    assert await control_store.get_pin("prefill") is None
+
+    await control_store.set_pin("decode", 0)
+    assert await control_store.get_pin("decode") == 0
+    await control_store.clear_pin("decode")
+    await control_store.clear_pin("decode")  # Clearing no pin is fine.
+    assert await control_store.get_pin("decode") is None
+    with pytest.raises(ValueError, match="pin must be an int"):
+        await control_store.set_pin("decode", -1)
+
+
+async def test_decision_log_order_filter_and_cap(control_store: ControlStore) -> None:
+    assert await control_store.recent_decisions() == []
+    for index in range(150):
+        await control_store.append_decision(
+            make_decision(index, pool="decode" if index % 10 == 0 else "prefill"), cap=120
+        )
+    newest = await control_store.recent_decisions(n=3)
+    assert newest == [make_decision(149), make_decision(148), make_decision(147)]
+    # Decode decisions sit far apart in the shared list: the pool filter pages through it.
+    decode = await control_store.recent_decisions("decode", n=5)
+    assert [record.at - 1_700_000_000 for record in decode] == [140, 130, 120, 110, 100]
+    # The cap kept only the newest 120 (30..149): decode decisions 0, 10, 20 are gone.
+    everything = await control_store.recent_decisions("decode", n=100)
+    assert [record.current_replicas for record in everything][-1] == 30
+    assert len(await control_store.recent_decisions(n=1000)) == 120
+
+
+async def test_apps_do_not_see_each_others_keys(redis_server: RedisServer) -> None:
+    one = await ControlStore.connect(redis_server.url, "isolation-one")
+    two = await ControlStore.connect(redis_server.url, "isolation-two")
+    try:
+        hashes = block_hashes(list(range(16)), block_size=8)
+        await one.put_replica_status("decode", make_status("decode-0", pool="decode"))
+        await one.record_prefix(hashes, "prefill-0", ttl_s=60)
+        await one.record_sample("tpot", 0.05)
+        await one.set_slo(PoolSLO())
+        await one.set_bounds("decode", ReplicaBounds())
+        await one.set_pin("decode", 2)
+        await one.append_decision(make_decision(1))
+
+        assert await two.replica_statuses("decode") == []
+        assert await two.prefix_owners(hashes) == [None, None]
+        assert await two.recent_samples("tpot") == []
+        assert await two.get_slo() is None
+        assert await two.get_bounds("decode") is None
+        assert await two.get_pin("decode") is None
+        assert await two.recent_decisions() == []
+        assert len(app_keys(redis_server, "isolation-one")) == 8
+        assert app_keys(redis_server, "isolation-two") == set()
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_store_works_on_a_decoding_client(redis_server: RedisServer) -> None:
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    store = ControlStore(client, "decoding-client")
+    try:
+        await store.record_prefix(block_hashes([1, 2], block_size=2), "prefill-0", ttl_s=5)
+        await store.record_sample("queue_wait", 0.5)
+        await store.set_pin("prefill", 3)
+        await store.put_replica_status("prefill", make_status("prefill-0"))
+        assert await store.prefix_owners(block_hashes([1, 2], block_size=2)) == ["prefill-0"]
+        assert await store.recent_samples("queue_wait") == [0.5]
+        assert await store.get_pin("prefill") == 3
+        assert len(await store.replica_statuses("prefill")) == 1
+    finally:
+        await store.close()
