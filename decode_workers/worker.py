@@ -28,6 +28,11 @@ class DecodeWorker(KVEndpoint):
     role = "consumer"
     id_prefix = "decode"
 
+    @property
+    def release_is_idempotent(self) -> bool:
+        """Whether releasing a handoff that decode may already have consumed is safe."""
+        return self.backend.release_is_idempotent
+
     def check_handoff(self, handoff: KVHandoff) -> None:
         if handoff.backend != self.backend.name:
             raise KVHandshakeError(

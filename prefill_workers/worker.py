@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from engine.events import engine_times
 from engine.request import GenerationRequest
 from engine.sampling import to_sampling_params
 from kv_transfer.endpoint import KVEndpoint
@@ -23,7 +24,11 @@ class PrefillResult:
     handoff: KVHandoff
     # Set when the first token already ends the request (stop token, or max_tokens == 1).
     finish_reason: str | None
+    # Engine compute time (scheduled -> first token) when vLLM reports it, else the wall time
+    # of the engine call.
     prefill_seconds: float
+    # Time the request waited in the engine's queue before it was scheduled.
+    engine_queue_seconds: float = 0.0
 
 
 class PrefillWorker(KVEndpoint):
@@ -70,4 +75,5 @@ class PrefillWorker(KVEndpoint):
             lease_expires_at=time.time() + self.transfer.lease_seconds,
             pull=self.backend.parse_producer_output(params),
         )
-        return PrefillResult(first_token, handoff, finish_reason, elapsed)
+        queue_s, compute_s = engine_times(final.metrics, elapsed)
+        return PrefillResult(first_token, handoff, finish_reason, compute_s, queue_s)

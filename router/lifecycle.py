@@ -2,37 +2,58 @@
 
 Ownership: every handoff that prefill returns ends here in a decode (which consumes the lease)
 or a release (finished at the first token, cancelled, or refused).
+
+The pools are ports: a PrefillWorker/DecodeWorker in-process (engine tests), or Serve handles to
+the pools (the app). Both satisfy `PrefillPort` / `DecodePort`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from typing import Protocol
 
-from decode_workers.worker import DecodeWorker
+from decode_workers.worker import DecodeChunk
+from engine.events import TokenEvent
 from engine.request import GenerationRequest
-from prefill_workers.worker import PrefillResult, PrefillWorker
+from kv_transfer.handoff import KVHandoff
+from prefill_workers.worker import PrefillResult
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    # True for the first token, streamed as soon as prefill returns (TTFT ends here).
-    from_prefill: bool = False
+class PrefillPort(Protocol):
+    async def prefill(self, request: GenerationRequest) -> PrefillResult: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+
+class DecodePort(Protocol):
+    @property
+    def release_is_idempotent(self) -> bool: ...
+
+    def decode(
+        self, request: GenerationRequest, handoff: KVHandoff
+    ) -> AsyncIterator[DecodeChunk]: ...
+
+    async def release(self, handoff: KVHandoff) -> None: ...
 
 
 async def generate_disaggregated(
-    prefill: PrefillWorker, decode: DecodeWorker, request: GenerationRequest
+    prefill: PrefillPort, decode: DecodePort, request: GenerationRequest
 ) -> AsyncIterator[TokenEvent]:
     request = request.with_pinned_seed()
     result = await _prefill_or_give_back(prefill, decode, request)
     decoding = False
     try:
-        yield TokenEvent((result.first_token,), result.finish_reason, from_prefill=True)
+        yield TokenEvent(
+            (result.first_token,),
+            result.finish_reason,
+            is_first=True,
+            prefill_seconds=result.prefill_seconds,
+            engine_queue_seconds=result.engine_queue_seconds,
+        )
         if result.finish_reason is not None:
             return
+        yield TokenEvent((), None, is_decode_start=True)
         decoding = True
         finished = False
         try:
@@ -40,7 +61,7 @@ async def generate_disaggregated(
                 finished = chunk.finish_reason is not None
                 yield TokenEvent(chunk.token_ids, chunk.finish_reason)
         finally:
-            if not finished and decode.backend.release_is_idempotent:
+            if not finished and decode.release_is_idempotent:
                 await decode.release(result.handoff)
     finally:
         if not decoding:
@@ -48,7 +69,7 @@ async def generate_disaggregated(
 
 
 async def _prefill_or_give_back(
-    prefill: PrefillWorker, decode: DecodeWorker, request: GenerationRequest
+    prefill: PrefillPort, decode: DecodePort, request: GenerationRequest
 ) -> PrefillResult:
     """Prefill, safe against the caller being cancelled meanwhile: the engine may finish the
     request (and its connector store the KV under a lease) just as the cancel arrives, and then

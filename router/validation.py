@@ -41,6 +41,11 @@ class InvalidRequest(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[InvalidRequest], tuple[str, str]]:
+        # Crosses processes (replica -> Serve proxy): rebuild from both arguments.
+        return (type(self), (self.field, self.message))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,112 @@
+"""`build_app(config) -> Application`: the Serve application graph of a pdserve config.
+
+    disaggregated:  Router --prefill()--> Prefill pool
+                           --decode()---> Decode pool
+    colocated:      Router --generate()--> Engine pool
+
+Also the import path of a Serve config (`import_path: deploy.app:build_app`, `args:` = the
+AppConfig tree, validated by Serve against the annotation). Each pool is built by the same
+helper; options come from the pool's config, so a YAML can resize a pool without code.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from decode_workers.deployment import DecodeServer
+from deploy.config import AppConfig, PoolName
+from engine.colocated import ColocatedServer
+from kv_transfer.base import make_backend
+from prefill_workers.deployment import PrefillServer
+from router.ingress import Router
+
+DEPLOYMENT_NAMES: dict[PoolName, str] = {
+    "prefill": "Prefill",
+    "decode": "Decode",
+    "engine": "Engine",
+}
+_SERVERS: dict[PoolName, type] = {
+    "prefill": PrefillServer,
+    "decode": DecodeServer,
+    "engine": ColocatedServer,
+}
+_ROUTERS: dict[PoolName, str] = {
+    "prefill": "router.replica_router.PrefillRequestRouter",
+    "decode": "router.replica_router.DecodeRequestRouter",
+    "engine": "router.replica_router.PrefillRequestRouter",
+}
+# Engine processes inherit the replica's environment; these keep them quiet and single-purpose.
+_ENGINE_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def deployment_options(config: AppConfig, pool: PoolName) -> dict[str, Any]:
+    spec = config.pools[pool]
+    router_kwargs: dict[str, Any] = {"block_size": config.engine.block_size or 16}
+    if pool != "decode":
+        router_kwargs |= {
+            "prefix_ttl_s": config.router.prefix_ttl_s,
+            "redis_url": config.control.redis_url,
+            "app_name": config.name,
+        }
+    env = dict(_ENGINE_ENV)
+    return {
+        "name": DEPLOYMENT_NAMES[pool],
+        "num_replicas": spec.num_replicas,
+        "max_ongoing_requests": spec.max_ongoing_requests,
+        "ray_actor_options": {
+            "num_cpus": spec.num_cpus,
+            "num_gpus": spec.num_gpus,
+            "runtime_env": {"env_vars": env},
+        },
+        # Engines take a minute to start on CPU; a slow first health check is not a failure.
+        "health_check_period_s": 10,
+        "health_check_timeout_s": 60,
+        "graceful_shutdown_timeout_s": 20,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=_ROUTERS[pool],
+            request_router_kwargs=router_kwargs,
+            request_routing_stats_period_s=config.router.stats_interval_s,
+            request_routing_stats_timeout_s=max(5.0, 5 * config.router.stats_interval_s),
+        ),
+    }
+
+
+def _pool(config: AppConfig, pool: PoolName) -> Application:
+    deployment = serve.deployment(_SERVERS[pool]).options(**deployment_options(config, pool))
+    return deployment.bind(config)
+
+
+def build_app(config: AppConfig) -> Application:
+    """The app graph for `config`; nothing starts until `serve.run` / `serve deploy`."""
+    if config.control.redis_url is None and os.environ.get("PDSERVE_REDIS_URL"):
+        config = config.model_copy(
+            update={
+                "control": config.control.model_copy(
+                    update={"redis_url": os.environ["PDSERVE_REDIS_URL"]}
+                )
+            }
+        )
+    router = serve.deployment(Router).options(
+        name="Router",
+        num_replicas=config.router.num_replicas,
+        max_ongoing_requests=max(1, config.router.max_in_flight * 2),
+        ray_actor_options={"num_cpus": 0},
+    )
+    if config.topology == "colocated":
+        return router.bind(config, _pool(config, "engine"))
+    # Fails here, before any replica starts, when the backend's package is missing.
+    idempotent = make_backend_release_idempotent(config)
+    return router.bind(
+        config, _pool(config, "prefill"), _pool(config, "decode"), release_is_idempotent=idempotent
+    )
+
+
+def make_backend_release_idempotent(config: AppConfig) -> bool:
+    from deploy.engines import transfer_settings
+
+    return make_backend(transfer_settings(config)).release_is_idempotent

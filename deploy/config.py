@@ -1,0 +1,159 @@
+"""The one typed config tree of a pdserve application, validated once at the edge.
+
+The same tree is the `args:` of a Serve config's application (Serve validates it against
+`build_app`'s annotation), what `pdserve up` loads from YAML, and what tests build directly.
+Inside the app it is turned into frozen records (`EngineSettings`, `TransferSettings`,
+`RequestLimits`, `AdmissionLimits`) and never passed around as a dict.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.settings import CPU_BLOCK_MULTIPLE, DEFAULT_CPU_KV_CACHE_BYTES
+
+Topology = Literal["disaggregated", "colocated"]
+PoolName = Literal["prefill", "decode", "engine"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Strict):
+    """How every vLLM engine of the app runs; both pools share it so their KV layouts match."""
+
+    model: str = Field(
+        "default", description="built-in model name (default, tiny) or a local HF folder"
+    )
+    served_name: str | None = Field(
+        None, description="model id clients send; the folder name if unset"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="engine build; auto detects a GPU"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="float32 keeps greedy answers exact on CPU"
+    )
+    max_model_len: int = Field(2048, ge=16, description="context length in tokens")
+    block_size: int | None = Field(
+        CPU_BLOCK_MULTIPLE,
+        description="KV block size; a multiple of 32 on CPU, None for vLLM's GPU default",
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        DEFAULT_CPU_KV_CACHE_BYTES, gt=0, description="KV cache size per engine on CPU"
+    )
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU share per engine")
+    max_num_seqs: int = Field(64, ge=1, description="sequences one engine batches at most")
+    seed: int = Field(0, ge=0, description="engine seed")
+
+    @model_validator(mode="after")
+    def _cpu_blocks(self) -> EngineConfig:
+        if self.device == "cpu" and (
+            self.block_size is None or self.block_size % CPU_BLOCK_MULTIPLE
+        ):
+            raise ValueError(
+                f"block_size must be a multiple of {CPU_BLOCK_MULTIPLE} on CPU, "
+                f"got {self.block_size}"
+            )
+        return self
+
+
+class PoolConfig(_Strict):
+    """One pool of engine replicas (prefill, decode, or the colocated engine)."""
+
+    num_replicas: int = Field(1, ge=1, description="replicas at start")
+    min_replicas: int = Field(1, ge=0, description="autoscaling lower bound")
+    max_replicas: int = Field(4, ge=1, description="autoscaling upper bound")
+    cpu_cores: list[int] | None = Field(
+        None, description="CPU cores this pool's engines compute on (CPU only); None: any"
+    )
+    num_cpus: float = Field(1.0, ge=0, description="Ray logical CPUs per replica")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica")
+    max_ongoing_requests: int = Field(256, ge=1, description="Serve's per-replica request cap")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolConfig:
+        if self.max_replicas < max(self.min_replicas, 1):
+            raise ValueError("max_replicas must be >= max(min_replicas, 1)")
+        if not self.min_replicas <= self.num_replicas <= self.max_replicas:
+            raise ValueError("num_replicas must lie within [min_replicas, max_replicas]")
+        if self.cpu_cores is not None and not self.cpu_cores:
+            raise ValueError("cpu_cores must name at least one core, or be null")
+        return self
+
+
+class TransferConfig(_Strict):
+    backend: Literal["nixl", "ray"] = Field("nixl", description="KV transfer backend")
+    failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="what decode does when the KV cannot be loaded or verified"
+    )
+    lease_seconds: float = Field(60.0, gt=0, description="how long an unclaimed KV handoff lives")
+
+
+class RouterConfig(_Strict):
+    num_replicas: int = Field(1, ge=1, description="router (ingress) replicas")
+    max_in_flight: int = Field(256, ge=1, description="admitted requests per router replica")
+    max_queued_prompt_tokens: int = Field(
+        65_536, ge=1, description="admitted, not yet prefilled prompt tokens per router replica"
+    )
+    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a client may ask")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when the client sends none")
+    prefix_ttl_s: float = Field(300.0, gt=0, description="how long a prefix-index entry lives")
+    stats_interval_s: float = Field(1.0, gt=0, description="replica status publish period")
+
+
+class ControlConfig(_Strict):
+    redis_url: str | None = Field(
+        None,
+        description="control-plane Redis (redis://:password@host:port/db); None: the "
+        "PDSERVE_REDIS_URL environment variable, or no control plane",
+    )
+
+
+class AppConfig(_Strict):
+    """A whole pdserve application."""
+
+    name: str = Field(
+        "pdserve", pattern=r"^[A-Za-z0-9_.-]+$", description="app name; Redis key prefix"
+    )
+    topology: Topology = Field(
+        "disaggregated", description="separate pools, or one engine for both phases"
+    )
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    prefill: PoolConfig = Field(default_factory=PoolConfig)
+    decode: PoolConfig = Field(default_factory=PoolConfig)
+    colocated: PoolConfig = Field(
+        default_factory=PoolConfig, description="engine pool when colocated"
+    )
+    kv_transfer: TransferConfig = Field(default_factory=TransferConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
+
+    @model_validator(mode="after")
+    def _limits(self) -> AppConfig:
+        if self.router.default_max_tokens > self.router.max_tokens_limit:
+            raise ValueError("router.default_max_tokens must be <= router.max_tokens_limit")
+        if self.engine.block_size is not None and self.engine.block_size < 1:
+            raise ValueError("engine.block_size must be >= 1")
+        return self
+
+    @property
+    def pools(self) -> dict[PoolName, PoolConfig]:
+        if self.topology == "colocated":
+            return {"engine": self.colocated}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+
+def load_app_config(path: Path, **overrides: Any) -> AppConfig:
+    """The AppConfig of a pdserve YAML: either a bare config tree, or a Serve config whose first
+    application has `args` (what `serve deploy` takes)."""
+    import yaml
+
+    raw = yaml.safe_load(path.read_text()) or {}
+    if "applications" in raw:
+        raw = raw["applications"][0].get("args") or {}
+    return AppConfig.model_validate({**raw, **overrides})

@@ -1,0 +1,106 @@
+"""ColocatedEngine: one vLLM AsyncLLM serving both phases, no KV transfer.
+
+The baseline the disaggregated topology is measured against: the same engine settings, the
+same TokenEvent stream (first token flagged with its prefill timings), one engine per replica.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from engine.async_engine import kv_cache_is_empty, start_async_engine
+from engine.events import TokenEvent, engine_times
+from engine.replica import ReplicaShell, serve_replica_id
+from engine.request import GenerationRequest
+from engine.sampling import to_sampling_params
+from engine.settings import EngineSettings
+from engine.stats import EngineStatsRecorder
+
+if TYPE_CHECKING:
+    from deploy.config import AppConfig
+
+
+class ColocatedEngine:
+    def __init__(self, settings: EngineSettings, worker_id: str | None = None) -> None:
+        self.settings = settings
+        self.worker_id = worker_id or f"engine-{uuid.uuid4().hex[:8]}"
+        self.engine: Any = None
+        self.start_seconds = 0.0
+        self.stats = EngineStatsRecorder()
+
+    def start(self) -> None:
+        self.engine, self.start_seconds = start_async_engine(self.settings, recorder=self.stats)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        request = request.with_pinned_seed()
+        sampling = to_sampling_params(request.params)
+        started = time.perf_counter()
+        num_seen = 0
+        async for output in self.engine.generate(
+            {"prompt_token_ids": list(request.prompt_token_ids)}, sampling, request.request_id
+        ):
+            completion = output.outputs[0]
+            new_ids = tuple(int(t) for t in completion.token_ids[num_seen:])
+            if not new_ids and completion.finish_reason is None:
+                continue
+            if num_seen == 0 and new_ids:
+                queue_s, compute_s = engine_times(output.metrics, time.perf_counter() - started)
+                first = TokenEvent(
+                    new_ids[:1],
+                    completion.finish_reason if len(new_ids) == 1 else None,
+                    is_first=True,
+                    prefill_seconds=compute_s,
+                    engine_queue_seconds=queue_s,
+                )
+                yield first
+                num_seen = 1
+                new_ids = new_ids[1:]
+                if not new_ids and first.finish_reason is not None:
+                    return
+                if not new_ids and completion.finish_reason is None:
+                    continue
+            num_seen += len(new_ids)
+            yield TokenEvent(new_ids, completion.finish_reason)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def is_idle(self) -> bool:
+        return await kv_cache_is_empty(self.engine)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+class ColocatedServer(ReplicaShell):
+    """The colocated topology's Serve deployment: one ColocatedEngine per replica."""
+
+    pool = "engine"
+
+    def __init__(self, config: AppConfig) -> None:
+        from deploy.engines import engine_settings
+
+        owner = ColocatedEngine(engine_settings(config, "engine"))
+        owner.worker_id = f"engine-{serve_replica_id(owner.worker_id)}"
+        owner.start()
+        self._engine_owner = owner
+        self._stats = owner.stats
+        self._num_pending_prefill_tokens = 0
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        self._num_pending_prefill_tokens += request.num_prompt_tokens
+        prefilled = False
+        try:
+            async for event in self._engine_owner.generate(request):
+                if event.is_first:
+                    prefilled = True
+                    self._num_pending_prefill_tokens -= request.num_prompt_tokens
+                yield event
+        finally:
+            if not prefilled:
+                self._num_pending_prefill_tokens -= request.num_prompt_tokens

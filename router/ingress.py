@@ -1,0 +1,219 @@
+"""Router: the Serve ingress. gRPC (`pdserve.v1.PDServe` through Serve's gRPC proxy, plus the
+standard `grpc.health.v1.Health/Check`) and OpenAI HTTP (FastAPI), both over one RouterService.
+
+gRPC errors: the status is set on Serve's grpc_context before raising, which Serve's proxy
+turns into the call's status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) with our message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from ray import serve
+
+from api.convert import request_to_body, timings_message, usage_message
+from api.gen import pdserve_pb2
+from api.serve_grpc import SERVICE, MalformedRequest
+from deploy.config import AppConfig
+from engine.models import resolve_model
+from engine.prompts import load_tokenizer
+from router.admission import AdmissionLimits
+from router.metrics import RouterMetrics
+from router.openai_api import error_response, http_app, models_body, openai_generate
+from router.pools import ColocatedEngines, DisaggregatedEngines
+from router.service import Overloaded, PreparedRequest, RouterService, StreamChunk
+from router.timings import RequestTimings
+from router.validation import InvalidRequest, RequestLimits
+
+logger = logging.getLogger(__name__)
+
+
+def _ready_replicas(app_name: str) -> dict[str, int]:
+    """Running replicas per engine deployment of this app (the router itself answers)."""
+    status = serve.status()
+    app = status.applications.get(app_name)
+    if app is None:
+        return {}
+    ready: dict[str, int] = {}
+    for name, deployment in app.deployments.items():
+        if name == "Router":
+            continue
+        ready[name] = int(deployment.replica_states.get("RUNNING", 0))
+    return ready
+
+
+@serve.ingress(http_app)
+class Router:
+    def __init__(
+        self, config: AppConfig, *handles: Any, release_is_idempotent: bool = False
+    ) -> None:
+        model_path = resolve_model(config.engine.model)
+        self.config = config
+        self.model_id = config.engine.served_name or model_path.name
+        tokenizer = load_tokenizer(str(model_path))
+        engines: Any
+        if config.topology == "colocated":
+            engines = ColocatedEngines(handles[0])
+        else:
+            engines = DisaggregatedEngines(handles[0], handles[1], release_is_idempotent)
+        self.service = RouterService(
+            tokenizer,
+            RequestLimits(
+                served_models=frozenset({self.model_id}),
+                default_model=self.model_id,
+                max_tokens_limit=config.router.max_tokens_limit,
+                default_max_tokens=config.router.default_max_tokens,
+            ),
+            AdmissionLimits(config.router.max_in_flight, config.router.max_queued_prompt_tokens),
+            config.engine.max_model_len,
+            engines,
+            on_finish=self._on_finish,
+        )
+        self.metrics = RouterMetrics(config.name)
+        self.store: Any = None
+        self._background: set[asyncio.Task[Any]] = set()
+        if config.control.redis_url:
+            import redis.asyncio
+
+            from deploy.control.store import ControlStore
+
+            self.store = ControlStore(
+                redis.asyncio.Redis.from_url(config.control.redis_url), config.name
+            )
+
+    def _on_finish(self, outcome: str, timings: RequestTimings | None, num_tokens: int) -> None:
+        self.metrics.observe(outcome, timings)
+        if timings is None or self.store is None:
+            return
+        values = {
+            "ttft": timings.ttft_s,
+            "tpot": timings.mean_tpot_s if num_tokens > 1 else None,
+            "queue_wait": timings.queue_wait_s,
+            "prefill": timings.prefill_s,
+            "kv_transfer": timings.kv_transfer_s if timings.decode_start_s > 0 else None,
+        }
+        task = asyncio.ensure_future(self._record_samples(values))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _record_samples(self, values: dict[str, float | None]) -> None:
+        try:
+            for metric, value in values.items():
+                if value is not None:
+                    await self.store.record_sample(metric, value)
+        except Exception as exc:  # status percentiles are best effort; serving goes on
+            logger.warning("recording latency samples in Redis failed: %s", exc)
+
+    # --- OpenAI HTTP -----------------------------------------------------------------------
+
+    @http_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Any:
+        return await openai_generate(self.service, request, chat=False)
+
+    @http_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Any:
+        return await openai_generate(self.service, request, chat=True)
+
+    @http_app.get("/v1/models")
+    async def models(self) -> Any:
+        return JSONResponse(models_body(self.model_id, self.config.engine.max_model_len))
+
+    @http_app.get("/health")
+    async def http_health(self) -> Any:
+        return JSONResponse({"status": "ok", "in_flight": self.service.num_in_flight})
+
+    # --- gRPC: pdserve.v1.PDServe ------------------------------------------------------------
+
+    def _prepare_grpc(self, message: Any, grpc_context: Any) -> PreparedRequest:
+        try:
+            if isinstance(message, MalformedRequest):
+                raise InvalidRequest("body", f"is not a valid {SERVICE} request: {message.error}")
+            return self.service.prepare(request_to_body(message), message.request_id)
+        except InvalidRequest as exc:
+            grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+            grpc_context.set_details(str(exc))
+            raise
+
+    async def _chunks(
+        self, prepared: PreparedRequest, grpc_context: Any
+    ) -> AsyncIterator[StreamChunk]:
+        try:
+            async for chunk in self.service.stream(prepared):
+                yield chunk
+        except Overloaded as exc:
+            grpc_context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            grpc_context.set_details(str(exc))
+            raise
+
+    async def Generate(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        prepared = self._prepare_grpc(request, grpc_context)
+        async for chunk in self._chunks(prepared, grpc_context):
+            yield pdserve_pb2.GenerateResponse(
+                request_id=chunk.request_id,
+                text=chunk.text,
+                token_ids=list(chunk.token_ids),
+                finish_reason=chunk.finish_reason or "",
+                usage=usage_message(chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+                if chunk.usage
+                else None,
+                timings=timings_message(chunk.timings),
+            )
+
+    async def Complete(self, request: Any, grpc_context: Any) -> Any:
+        prepared = self._prepare_grpc(request, grpc_context)
+        texts: list[str] = []
+        ids: list[int] = []
+        last: StreamChunk | None = None
+        async for chunk in self._chunks(prepared, grpc_context):
+            texts.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            last = chunk
+        assert last is not None and last.usage is not None
+        return pdserve_pb2.CompleteResponse(
+            request_id=last.request_id,
+            text="".join(texts),
+            token_ids=ids,
+            finish_reason=last.finish_reason or "",
+            usage=usage_message(last.usage.prompt_tokens, last.usage.completion_tokens),
+            timings=timings_message(last.timings),
+            model=prepared.validated.model,
+        )
+
+    async def Health(self, request: Any) -> Any:
+        ready = await asyncio.to_thread(_ready_replicas, self.config.name)
+        serving = bool(ready) and all(n > 0 for n in ready.values())
+        return pdserve_pb2.HealthResponse(
+            serving=serving, status="SERVING" if serving else "NOT_SERVING", ready_replicas=ready
+        )
+
+    async def ListModels(self, request: Any) -> Any:
+        return pdserve_pb2.ListModelsResponse(
+            models=[
+                pdserve_pb2.ModelInfo(
+                    id=self.model_id, max_model_len=self.config.engine.max_model_len
+                )
+            ]
+        )
+
+    # --- gRPC: grpc.health.v1.Health ---------------------------------------------------------
+
+    async def Check(self, request: Any) -> Any:
+        from grpc_health.v1 import health_pb2
+
+        ready = await asyncio.to_thread(_ready_replicas, self.config.name)
+        serving = bool(ready) and all(n > 0 for n in ready.values())
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        return health_pb2.HealthCheckResponse(status=status)
+
+
+__all__ = ["Router", "error_response"]

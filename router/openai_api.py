@@ -1,0 +1,146 @@
+"""OpenAI-compatible HTTP: `/v1/completions`, `/v1/chat/completions` (SSE or whole), `/v1/models`.
+
+Bodies are parsed here and validated by the RouterService like any other request; errors use
+OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`) so the `openai` package
+raises its usual BadRequestError (400) / RateLimitError (429).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from router.service import Overloaded, PreparedRequest, RouterService, StreamChunk
+from router.validation import InvalidRequest
+
+http_app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest("body", f"is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _chunk_json(prepared: PreparedRequest, chunk: StreamChunk, created: int) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": chunk.finish_reason, "logprobs": None}
+    if prepared.validated.is_chat:
+        choice["delta"] = {"role": "assistant", "content": chunk.text}
+        kind = "chat.completion.chunk"
+    else:
+        choice["text"] = chunk.text
+        kind = "text_completion"
+    body = {
+        "id": chunk.request_id,
+        "object": kind,
+        "created": created,
+        "model": prepared.validated.model,
+        "choices": [choice],
+    }
+    if chunk.usage is not None:
+        body["usage"] = _usage(chunk)
+    return body
+
+
+def _usage(chunk: StreamChunk) -> dict[str, int]:
+    assert chunk.usage is not None
+    prompt, completion = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+async def sse_events(
+    service: RouterService,
+    prepared: PreparedRequest,
+    first: StreamChunk,
+    rest: AsyncIterator[StreamChunk],
+) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    yield f"data: {json.dumps(_chunk_json(prepared, first, created))}\n\n".encode()
+    async for chunk in rest:
+        yield f"data: {json.dumps(_chunk_json(prepared, chunk, created))}\n\n".encode()
+    yield b"data: [DONE]\n\n"
+
+
+async def whole_response(
+    prepared: PreparedRequest, chunks: AsyncIterator[StreamChunk]
+) -> dict[str, Any]:
+    texts: list[str] = []
+    last: StreamChunk | None = None
+    async for chunk in chunks:
+        texts.append(chunk.text)
+        last = chunk
+    assert last is not None and last.usage is not None
+    text = "".join(texts)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+    if prepared.validated.is_chat:
+        choice["message"] = {"role": "assistant", "content": text}
+        kind = "chat.completion"
+    else:
+        choice["text"] = text
+        kind = "text_completion"
+    return {
+        "id": last.request_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": prepared.validated.model,
+        "choices": [choice],
+        "usage": _usage(last),
+    }
+
+
+async def openai_generate(service: RouterService, request: Request, chat: bool) -> Any:
+    """One OpenAI completion or chat completion; the stream starts only once the request has
+    been admitted and its first token is out, so errors still get a proper status code."""
+    try:
+        body = await read_json(request)
+        field, other = ("messages", "prompt") if chat else ("prompt", "messages")
+        if other in body:
+            raise InvalidRequest(other, f"not accepted here; this endpoint takes {field}")
+        if field not in body:
+            raise InvalidRequest(field, "is required")
+        prepared = service.prepare(body)
+        chunks = service.stream(prepared)
+        if not prepared.validated.stream:
+            return JSONResponse(await whole_response(prepared, chunks))
+        first = await chunks.__anext__()
+    except InvalidRequest as exc:
+        return error_response(400, str(exc), "invalid_request_error", exc.field)
+    except Overloaded as exc:
+        return error_response(429, str(exc), "rate_limit_exceeded")
+    return StreamingResponse(
+        sse_events(service, prepared, first, chunks), media_type="text/event-stream"
+    )
+
+
+def models_body(model_id: str, max_model_len: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model_id,
+                "object": "model",
+                "created": 0,
+                "owned_by": "pdserve",
+                "max_model_len": max_model_len,
+            }
+        ],
+    }

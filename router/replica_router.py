@@ -1,0 +1,159 @@
+"""Ray Serve request routers for the engine pools: the pure policies of `router.policy` applied
+to the load each replica reports through `record_routing_stats`.
+
+Serve calls `choose_replicas` for each pending handle call and tries the ranks in order, so the
+policy's choice comes first and the rest follow as fallbacks (a replica at its
+`max_ongoing_requests` refuses and the next rank is tried).
+
+Prefill: prefix affinity through the prefix index (Redis when the app has a control plane, so
+every router replica shares it; in-memory otherwise), then least pending prefill tokens.
+Decode: most free KV blocks among replicas that fit the request, then fewest running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from engine.request import GenerationRequest
+from kv_transfer.blocks import num_blocks_for
+from router.policy import (
+    DecodeReplicaState,
+    PrefillReplicaState,
+    choose_decode_replica,
+    choose_prefill_replica,
+)
+from router.prefix import BlockHash, MatchResult, PrefixIndex, block_hashes
+
+logger = logging.getLogger(__name__)
+
+
+def _request_of(pending: PendingRequest | None) -> GenerationRequest | None:
+    if pending is None or not pending.args:
+        return None
+    first = pending.args[0]
+    return first if isinstance(first, GenerationRequest) else None
+
+
+def _ranked(replicas: Sequence[RunningReplica], chosen: str | None) -> list[list[RunningReplica]]:
+    first = [r for r in replicas if r.replica_id.unique_id == chosen]
+    rest = [r for r in replicas if r.replica_id.unique_id != chosen]
+    return [first, rest] if first else [rest]
+
+
+class _FixedMatch:
+    """A PrefixLookup that answers with a match already fetched (from Redis, asynchronously)."""
+
+    def __init__(self, match: MatchResult) -> None:
+        self._match = match
+
+    def longest_prefix_match(
+        self, hashes: Sequence[BlockHash], eligible: Collection[str] | None = None
+    ) -> MatchResult:
+        return self._match
+
+    def record(self, hashes: Sequence[BlockHash], replica: str) -> None:
+        raise NotImplementedError
+
+
+class PrefillRequestRouter(RequestRouter):
+    """Routes prefill (and colocated) calls: prefix affinity, then least pending tokens."""
+
+    def initialize_state(
+        self,
+        block_size: int = 32,
+        prefix_ttl_s: float = 300.0,
+        redis_url: str | None = None,
+        app_name: str = "pdserve",
+        **_: Any,
+    ) -> None:
+        self._block_size = block_size
+        self._prefix_ttl_s = prefix_ttl_s
+        self._local_index = PrefixIndex(ttl_seconds=prefix_ttl_s)
+        self._store: Any = None
+        if redis_url:
+            import redis.asyncio
+
+            from deploy.control.store import ControlStore
+
+            self._store = ControlStore(redis.asyncio.Redis.from_url(redis_url), app_name)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        request = _request_of(pending_request)
+        if request is None or not candidate_replicas:
+            return [candidate_replicas]
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        states = [
+            PrefillReplicaState(
+                replica_id=rid,
+                num_pending_prefill_tokens=int(
+                    (r.routing_stats or {}).get("pending_prefill_tokens", 0)
+                ),
+            )
+            for rid, r in by_id.items()
+        ]
+        hashes = block_hashes(request.prompt_token_ids, self._block_size)
+        choice = choose_prefill_replica(states, hashes, await self._lookup(hashes, by_id.keys()))
+        if choice.replica_id is not None and hashes:
+            await self._record(hashes, choice.replica_id)
+        return _ranked(candidate_replicas, choice.replica_id)
+
+    async def _lookup(self, hashes: Sequence[BlockHash], eligible: Collection[str]) -> Any:
+        if self._store is None or not hashes:
+            return self._local_index
+        try:
+            return _FixedMatch(await self._store.longest_prefix_match(hashes, set(eligible)))
+        except Exception as exc:  # the control plane is advisory for routing
+            logger.warning("prefix index lookup failed, routing by load only: %s", exc)
+            return self._local_index
+
+    async def _record(self, hashes: Sequence[BlockHash], replica: str) -> None:
+        self._local_index.record(hashes, replica)
+        if self._store is not None:
+            task = asyncio.ensure_future(
+                self._store.record_prefix(hashes, replica, self._prefix_ttl_s)
+            )
+            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
+
+class DecodeRequestRouter(RequestRouter):
+    """Routes decode calls: most free KV blocks among replicas that fit, then fewest running."""
+
+    def initialize_state(self, block_size: int = 32, **_: Any) -> None:
+        self._block_size = block_size
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        request = _request_of(pending_request)
+        reported = [
+            r for r in candidate_replicas if (r.routing_stats or {}).get("num_total_blocks")
+        ]
+        if request is None or not reported:
+            return [candidate_replicas]
+        states = []
+        for replica in reported:
+            stats = replica.routing_stats
+            total = int(stats["num_total_blocks"])
+            states.append(
+                DecodeReplicaState(
+                    replica_id=replica.replica_id.unique_id,
+                    num_free_blocks=min(total, int(stats.get("num_free_blocks", total))),
+                    num_total_blocks=total,
+                    num_running_seqs=int(stats.get("num_running", 0)),
+                    num_waiting_seqs=int(stats.get("num_waiting", 0)),
+                )
+            )
+        needed = num_blocks_for(request.num_prompt_tokens + 1, self._block_size)
+        choice = choose_decode_replica(states, needed)
+        return _ranked(candidate_replicas, choice.replica_id)

@@ -1,0 +1,163 @@
+"""RouterService: one request from body to token stream, whatever the wire.
+
+    body --validate--> ValidatedRequest --tokenize, fit--> GenerationRequest --admit--> engines
+         <-- StreamChunk (text delta, ids, timings; usage on the last) <-- TokenEvent stream
+
+The gRPC servicer and the OpenAI HTTP routes are thin adapters over `prepare` and `stream`.
+`InvalidRequest` maps to INVALID_ARGUMENT / 400, `Overloaded` to RESOURCE_EXHAUSTED / 429.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.events import TokenEvent
+from engine.request import GenerationRequest
+from router.admission import (
+    AdmissionLimits,
+    AdmissionState,
+    Rejected,
+    admit,
+    finish_prefill,
+    release,
+)
+from router.detokenizer import Detokenizer
+from router.timings import RequestTimings, TimingClock
+from router.validation import (
+    InvalidRequest,
+    RequestLimits,
+    ValidatedRequest,
+    fit_to_context,
+    validate_request,
+)
+
+
+class Overloaded(Exception):
+    """The admission limits are full: retry later (RESOURCE_EXHAUSTED / HTTP 429)."""
+
+
+class EngineStream(Protocol):
+    """The pools behind the router: disaggregated (prefill then decode) or colocated."""
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    timings: RequestTimings
+    # Set on the last chunk only.
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    validated: ValidatedRequest
+    request: GenerationRequest
+
+
+Outcome = str  # "ok", "cancelled", "error"
+FinishHook = Callable[[Outcome, RequestTimings | None, int], None]
+
+
+class RouterService:
+    def __init__(
+        self,
+        tokenizer: Any,
+        limits: RequestLimits,
+        admission: AdmissionLimits,
+        max_model_len: int,
+        engines: EngineStream,
+        on_finish: FinishHook | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.admission = admission
+        self.max_model_len = max_model_len
+        self.engines = engines
+        self._state = AdmissionState()
+        self._on_finish = on_finish
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._state.num_in_flight
+
+    def prepare(self, body: dict[str, Any], request_id: str = "") -> PreparedRequest:
+        validated = validate_request(body, self.limits)
+        prompt_ids = self._tokenize(validated)
+        params = fit_to_context(validated, len(prompt_ids), self.max_model_len)
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        return PreparedRequest(validated, GenerationRequest(request_id, tuple(prompt_ids), params))
+
+    def _tokenize(self, validated: ValidatedRequest) -> list[int]:
+        if validated.messages is None:
+            assert validated.prompt is not None
+            return list(self.tokenizer(validated.prompt)["input_ids"])
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest("messages", "this model has no chat template; send a prompt")
+        text = self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in validated.messages],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    async def stream(self, prepared: PreparedRequest) -> AsyncIterator[StreamChunk]:
+        request = prepared.request
+        clock = TimingClock()
+        decision = admit(self._state, self.admission, request.num_prompt_tokens)
+        if isinstance(decision, Rejected):
+            raise Overloaded(f"server is at capacity ({decision.reason}); retry later")
+        self._state, ticket = decision.state, decision.ticket
+        detok = Detokenizer(self.tokenizer, prepared.validated.stop)
+        outcome: Outcome = "cancelled"
+        try:
+            events = self.engines.stream(request)
+            try:
+                async for event in events:
+                    if event.is_first:
+                        self._state, ticket = finish_prefill(self._state, ticket)
+                        clock.prefill_done(clock.since_arrival(), event.prefill_seconds)
+                    if event.is_decode_start:
+                        clock.decode_started()
+                        continue
+                    if not event.is_first and clock.num_tokens == 1 and event.token_ids:
+                        clock.first_decode_token(None)
+                    text, finish = detok.push(event.token_ids, event.finish_reason)
+                    clock.tokens_sent(len(event.token_ids))
+                    if finish is not None:
+                        timings = clock.finish()
+                        outcome = "ok"
+                        usage = Usage(request.num_prompt_tokens, clock.num_tokens)
+                        yield StreamChunk(
+                            request.request_id, text, event.token_ids, finish, timings, usage
+                        )
+                        return
+                    yield StreamChunk(
+                        request.request_id, text, event.token_ids, None, clock.snapshot()
+                    )
+                outcome = "error"  # the engines ended the stream without a finish reason
+                raise RuntimeError(f"request {request.request_id} ended without a finish reason")
+            finally:
+                await events.aclose()  # type: ignore[attr-defined]
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            self._state = release(self._state, ticket)
+            if self._on_finish is not None:
+                self._on_finish(
+                    outcome, clock.finish() if outcome == "ok" else None, clock.num_tokens
+                )

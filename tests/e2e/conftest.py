@@ -1,0 +1,141 @@
+"""End-to-end fixtures: real servers started once per session."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from api.client import AsyncPDServeClient, PDServeClient
+from deploy.config import AppConfig
+from deploy.control.redis_server import RedisServer, start_redis_server
+from deploy.control.store import ControlStore
+
+# --- Redis control plane (deploy/control) -------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A private redis-server (loopback, random password) shared by the whole session."""
+    server = start_redis_server(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def control_store(redis_server: RedisServer) -> AsyncIterator[ControlStore]:
+    """A store under a fresh app name, so tests sharing the server never see each other."""
+    store = await ControlStore.connect(redis_server.url, f"test-{uuid.uuid4().hex[:12]}")
+    yield store
+    await store.close()
+
+
+# --- end of Redis control plane fixtures ---------------------------------------------------
+
+# --- The Serve apps (router + pools) on the session's Ray cluster --------------------------
+
+APP_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class ServedApp:
+    """One pdserve app deployed on the test cluster's Serve, reachable over real sockets."""
+
+    key: str
+    config: AppConfig
+    grpc_target: str
+    http_port: int
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def openai_base(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/{self.name}/v1"
+
+    def client(self) -> PDServeClient:
+        return PDServeClient(self.grpc_target, application=self.name, timeout_s=300)
+
+    def aclient(self) -> AsyncPDServeClient:
+        return AsyncPDServeClient(self.grpc_target, application=self.name, timeout_s=300)
+
+    @property
+    def engine_deployments(self) -> tuple[str, ...]:
+        return ("Engine",) if self.config.topology == "colocated" else ("Prefill", "Decode")
+
+    async def engines_idle(self) -> dict[str, bool]:
+        """Each engine pool's strict no-KV-blocks check (one replica per pool here)."""
+        from ray import serve
+
+        return {
+            name: bool(await serve.get_deployment_handle(name, self.name).is_idle.remote())
+            for name in self.engine_deployments
+        }
+
+    async def wait_engines_idle(self, timeout_s: float = 60) -> dict[str, bool]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            idle = await self.engines_idle()
+            if all(idle.values()) or time.monotonic() > deadline:
+                return idle
+            await asyncio.sleep(0.5)
+
+
+def _app_configs(redis_url: str) -> dict[str, AppConfig]:
+    def pools(**router: object) -> dict[str, object]:
+        return {
+            "engine": {"model": "tiny", "device": "cpu", "kv_cache_memory_bytes": 64 * 1024**2},
+            "prefill": {"cpu_cores": [0], "num_cpus": 0.5},
+            "decode": {"cpu_cores": [1], "num_cpus": 0.5},
+            "colocated": {"cpu_cores": [0], "num_cpus": 0.5},
+            "control": {"redis_url": redis_url},
+            "router": {"default_max_tokens": 16, **router},
+        }
+
+    return {
+        "nixl": AppConfig.model_validate({"name": "pd-nixl", **pools()}),
+        "ray": AppConfig.model_validate(
+            {"name": "pd-ray", "kv_transfer": {"backend": "ray"}, **pools()}
+        ),
+        # Two requests in flight at most: the overload tests fill it with two streams.
+        "colocated": AppConfig.model_validate(
+            {"name": "colocated", "topology": "colocated", **pools(max_in_flight=2)}
+        ),
+    }
+
+
+@pytest.fixture(scope="package")
+def serve_apps(ray_cluster: object, redis_server: RedisServer) -> Iterator[dict[str, ServedApp]]:
+    """The disaggregated app over each KV backend and the colocated app, deployed together
+    (their engines start in parallel) behind one Serve HTTP and gRPC proxy."""
+    from ray import serve
+    from ray.serve import api as serve_api
+    from ray.serve.config import gRPCOptions
+
+    from deploy.app import build_app
+    from deploy.local import GRPC_SERVICERS, free_port
+    from deploy.up import wait_serving
+
+    http_port, grpc_port = free_port(), free_port()
+    serve.start(
+        proxy_location="HeadOnly",
+        http_options={"host": "127.0.0.1", "port": http_port},
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
+    )
+    apps = {
+        key: ServedApp(key, config, f"127.0.0.1:{grpc_port}", http_port)
+        for key, config in _app_configs(redis_server.url).items()
+    }
+    for app in apps.values():
+        serve_api._run(
+            build_app(app.config), name=app.name, route_prefix=f"/{app.name}", _blocking=False
+        )
+    for app in apps.values():
+        wait_serving(app.name, APP_TIMEOUT_S)
+    yield apps
+    serve.shutdown()

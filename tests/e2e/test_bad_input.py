@@ -1,0 +1,166 @@
+"""Bad input over gRPC and HTTP: INVALID_ARGUMENT / 400 naming the field; overload:
+RESOURCE_EXHAUSTED / 429. After each one the app still serves a valid request."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import grpc
+import pytest
+
+from api.client import collect
+from api.gen import pdserve_pb2
+from tests.e2e.conftest import ServedApp
+
+pytestmark = pytest.mark.engine
+
+LONG_PROMPT = "word " * 3000  # well over the 2048-token context
+
+# (case id, GenerateRequest fields, the field the error must name)
+GRPC_CASES: list[tuple[str, dict[str, Any], str]] = [
+    ("empty-prompt", {"prompt": ""}, "prompt"),
+    ("prompt-too-long", {"prompt": LONG_PROMPT}, "prompt"),
+    ("max-tokens-zero", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("max-tokens-negative", {"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ("max-tokens-too-large", {"prompt": "hi", "max_tokens": 1_000_000}, "max_tokens"),
+    ("temperature-too-high", {"prompt": "hi", "temperature": 3.0}, "temperature"),
+    ("temperature-negative", {"prompt": "hi", "temperature": -0.5}, "temperature"),
+    ("top-p-zero", {"prompt": "hi", "top_p": 0.0}, "top_p"),
+    ("top-p-too-high", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("unknown-model", {"prompt": "hi", "model": "gpt-9"}, "model"),
+    ("bad-role", {"messages": [pdserve_pb2.ChatMessage(role="robot", content="x")]}, "role"),
+]
+
+
+def assert_still_serving(app: ServedApp) -> None:
+    with app.client() as client:
+        done = collect(client.generate("still there?", max_tokens=4, ignore_eos=True))
+    assert done.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize(("case", "fields", "field"), GRPC_CASES, ids=[c[0] for c in GRPC_CASES])
+def test_grpc_invalid_argument_names_the_field(
+    serve_apps: dict[str, ServedApp], case: str, fields: dict[str, Any], field: str
+) -> None:
+    app = serve_apps["nixl"]
+    from api.gen import pdserve_pb2_grpc
+
+    with grpc.insecure_channel(app.grpc_target) as channel:
+        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        request = pdserve_pb2.GenerateRequest(**fields)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request, metadata=(("application", app.name),), timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert field in info.value.details()
+    assert_still_serving(app)
+
+
+def test_grpc_malformed_protobuf_is_rejected(serve_apps: dict[str, ServedApp]) -> None:
+    app = serve_apps["nixl"]
+    with grpc.insecure_channel(app.grpc_target) as channel:
+        raw = channel.unary_stream(
+            "/pdserve.v1.PDServe/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            list(
+                raw(b"\xff\xff\xff\x0f garbage", metadata=(("application", app.name),), timeout=60)
+            )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert "body" in info.value.details()
+    assert_still_serving(app)
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+HTTP_CASES: list[tuple[str, str, bytes, str]] = [
+    ("malformed-json", "completions", b'{"prompt": "hi", ', "body"),
+    ("not-an-object", "completions", b'["hi"]', "body"),
+    ("empty-prompt", "completions", json.dumps({"prompt": ""}).encode(), "prompt"),
+    ("prompt-wrong-type", "completions", json.dumps({"prompt": 42}).encode(), "prompt"),
+    (
+        "max-tokens-string",
+        "completions",
+        json.dumps({"prompt": "hi", "max_tokens": "ten"}).encode(),
+        "max_tokens",
+    ),
+    (
+        "max-tokens-zero",
+        "completions",
+        json.dumps({"prompt": "hi", "max_tokens": 0}).encode(),
+        "max_tokens",
+    ),
+    (
+        "temperature-high",
+        "completions",
+        json.dumps({"prompt": "hi", "temperature": 9}).encode(),
+        "temperature",
+    ),
+    (
+        "unknown-model",
+        "completions",
+        json.dumps({"prompt": "hi", "model": "nope"}).encode(),
+        "model",
+    ),
+    ("prompt-too-long", "completions", json.dumps({"prompt": LONG_PROMPT}).encode(), "prompt"),
+    ("messages-not-list", "chat/completions", json.dumps({"messages": "hi"}).encode(), "messages"),
+    ("chat-missing-messages", "chat/completions", json.dumps({"prompt": "hi"}).encode(), "prompt"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "path", "body", "field"), HTTP_CASES, ids=[c[0] for c in HTTP_CASES]
+)
+def test_http_400_names_the_field(
+    serve_apps: dict[str, ServedApp], case: str, path: str, body: bytes, field: str
+) -> None:
+    app = serve_apps["nixl"]
+    status, payload = _post(f"{app.openai_base}/{path}", body)
+    assert status == 400, payload
+    assert payload["error"]["type"] == "invalid_request_error"
+    assert field in payload["error"]["message"]
+    assert_still_serving(app)
+
+
+def test_overload_is_resource_exhausted_then_recovers(serve_apps: dict[str, ServedApp]) -> None:
+    app = serve_apps["colocated"]  # admits two requests in flight
+    with app.client() as client:
+        holders = [client.generate(f"hold {i}", max_tokens=400, ignore_eos=True) for i in range(2)]
+        for stream in holders:
+            next(stream)  # both admitted and streaming
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.generate("one too many", max_tokens=4))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        status, payload = _post(
+            f"{app.openai_base}/completions", json.dumps({"prompt": "too many"}).encode()
+        )
+        assert status == 429, payload
+        for stream in holders:
+            stream.close()  # cancels the call: frees the admission slots
+    assert_still_serving_eventually(app)
+
+
+def assert_still_serving_eventually(app: ServedApp, attempts: int = 20) -> None:
+    """Cancellation reaches the router asynchronously; the slots free within moments."""
+    import time
+
+    for _ in range(attempts):
+        try:
+            assert_still_serving(app)
+            return
+        except grpc.RpcError as error:
+            if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            time.sleep(0.5)
+    assert_still_serving(app)

@@ -1,0 +1,58 @@
+"""Clients that cancel or disconnect free their KV blocks in both pools."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from tests.e2e.conftest import ServedApp
+
+pytestmark = pytest.mark.engine
+
+
+async def _cancel_after(app: ServedApp, prompt: str, num_chunks: int, delay_s: float) -> int:
+    """Start a long stream, read `num_chunks` messages (or wait `delay_s`), then cancel it."""
+    seen = 0
+    async with app.aclient() as client:
+        stream = client.generate(prompt, max_tokens=500, ignore_eos=True)
+        try:
+            if num_chunks:
+                async for _ in stream:
+                    seen += 1
+                    if seen >= num_chunks:
+                        break
+            else:
+                reader = asyncio.ensure_future(stream.__anext__())
+                await asyncio.sleep(delay_s)
+                reader.cancel()
+                # The generator is busy until the cancel lands; only then can it be closed.
+                await asyncio.gather(reader, return_exceptions=True)
+        finally:
+            await stream.aclose()
+    return seen
+
+
+@pytest.mark.parametrize("key", ["nixl", "ray", "colocated"])
+async def test_cancelled_streams_leave_no_kv_blocks(
+    serve_apps: dict[str, ServedApp], key: str
+) -> None:
+    app = serve_apps[key]
+    rng = random.Random(7)
+    cases = []
+    for i in range(12):
+        prompt = f"cancel me {i} " + "word " * rng.randint(1, 200)
+        # After the first token, mid-decode, or at a random moment (maybe during prefill).
+        num_chunks = [1, 5, 0][i % 3]
+        cases.append(_cancel_after(app, prompt, num_chunks, rng.uniform(0.0, 0.6)))
+    if key == "colocated":
+        cases = cases[:2]  # this app admits two requests at a time
+    await asyncio.gather(*cases)
+    idle = await app.wait_engines_idle(timeout_s=90)
+    assert all(idle.values()), idle
+    # ...and the app still serves.
+    async with app.aclient() as client:
+        done = await client.complete("after the cancellations", max_tokens=3, ignore_eos=True)
+    assert done.usage.completion_tokens == 3
+    assert all((await app.wait_engines_idle(timeout_s=30)).values())

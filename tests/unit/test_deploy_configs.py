@@ -1,0 +1,106 @@
+"""Every YAML under deploy/ parses, validates and builds into an app graph."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from deploy.app import DEPLOYMENT_NAMES, build_app, deployment_options
+from deploy.config import AppConfig, load_app_config
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+SERVE_CONFIGS = sorted((DEPLOY / "configs").glob("*.yaml"))
+
+
+def _serve_config(raw: dict[str, Any]) -> AppConfig:
+    """Validate as Serve does (`serve deploy`), then our args, then build the graph."""
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate(raw)
+    (app,) = schema.applications
+    assert app.import_path == "deploy.app:build_app"
+    assert app.route_prefix == "/"  # gRPC needs one
+    servicers = schema.grpc_options.grpc_servicer_functions
+    assert "api.serve_grpc.add_PDServeServicer_to_server" in servicers
+    config = AppConfig.model_validate(app.args)
+    graph = build_app(config)
+    assert type(graph).__name__ == "Application"
+    return config
+
+
+def test_every_config_is_covered() -> None:
+    assert {p.name for p in SERVE_CONFIGS} == {"local.yaml", "gpu-cluster.yaml"}
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_serve_configs_validate_and_build(path: Path) -> None:
+    config = _serve_config(yaml.safe_load(path.read_text()))
+    assert load_app_config(path) == config
+
+
+def test_local_config_is_the_embedded_default() -> None:
+    config = load_app_config(DEPLOY / "configs" / "local.yaml")
+    assert config.topology == "disaggregated" and config.engine.model == "default"
+    assert config.engine.device == "cpu" and config.engine.dtype == "float32"
+    assert (config.prefill.num_replicas, config.decode.num_replicas) == (1, 1)
+    assert (config.prefill.cpu_cores, config.decode.cpu_cores) == ([0], [1])
+
+
+def test_gpu_config_uses_gpus() -> None:
+    config = load_app_config(DEPLOY / "configs" / "gpu-cluster.yaml")
+    assert config.engine.device == "cuda"
+    for pool in ("prefill", "decode"):
+        options = deployment_options(config, pool)  # type: ignore[arg-type]
+        assert options["ray_actor_options"]["num_gpus"] == 1
+        assert options["name"] == DEPLOYMENT_NAMES[pool]  # type: ignore[index]
+
+
+def test_kuberay_rayservice_embeds_a_valid_serve_config() -> None:
+    docs = list(yaml.safe_load_all((DEPLOY / "kuberay" / "rayservice.yaml").read_text()))
+    kinds = {d["kind"]: d for d in docs}
+    assert set(kinds) == {"Deployment", "Service", "RayService"}
+    service = kinds["RayService"]
+    assert service["apiVersion"] == "ray.io/v1"
+    config = _serve_config(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    assert config.engine.device == "cuda"
+    groups = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert groups[0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+
+
+def test_cluster_launcher_yaml_passes_rays_schema() -> None:
+    from ray.autoscaler._private.util import fillout_defaults, validate_config
+
+    config = yaml.safe_load((DEPLOY / "cluster" / "ray-cluster.yaml").read_text())
+    # What `ray up` does: defaults for the provider, then the JSON schema (raises on a violation).
+    validate_config(fillout_defaults(config))
+    deploy_cmd = " ".join(config["head_start_ray_commands"])
+    assert "serve deploy deploy/configs/gpu-cluster.yaml" in deploy_cmd
+
+
+def test_colocated_builds_one_engine_pool() -> None:
+    config = AppConfig(topology="colocated")
+    assert list(config.pools) == ["engine"]
+    assert type(build_app(config)).__name__ == "Application"
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"topology": "pipeline"}, "topology"),
+        ({"prefill": {"num_replicas": 5, "max_replicas": 4}}, "num_replicas"),
+        ({"engine": {"max_model_len": 4}}, "max_model_len"),
+        ({"kv_transfer": {"backend": "carrier-pigeon"}}, "backend"),
+        ({"router": {"default_max_tokens": 9000}}, "default_max_tokens"),
+        ({"engine": {"device": "cpu", "block_size": 16}}, "block_size"),
+        ({"name": "bad name!"}, "name"),
+        ({"unknown_section": {}}, "unknown_section"),
+    ],
+)
+def test_bad_configs_are_refused_with_the_field(patch: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        AppConfig.model_validate(patch)
+    assert message in str(info.value)

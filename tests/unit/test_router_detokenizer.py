@@ -1,0 +1,62 @@
+"""Incremental detokenization: deltas add up to the whole text; stop strings end the request
+and are never sent, not even in part."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.detokenizer import Detokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path) -> Any:
+    from engine.prompts import load_tokenizer
+
+    return load_tokenizer(str(tiny_model))
+
+
+TEXT = "The decode pool streams tokens. Then it stops here, and more text follows."
+
+
+def _stream(tokenizer: Any, stop: tuple[str, ...] = ()) -> tuple[str, str | None, int]:
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    detok = Detokenizer(tokenizer, stop)
+    sent, finish, steps = "", None, 0
+    for i, token in enumerate(ids):
+        last = i == len(ids) - 1
+        delta, finish = detok.push([token], "length" if last else None)
+        sent += delta
+        steps += 1
+        if finish is not None:
+            break
+    return sent, finish, steps
+
+
+def test_deltas_join_to_the_full_text(tokenizer: Any) -> None:
+    sent, finish, _ = _stream(tokenizer)
+    assert sent == tokenizer.decode(tokenizer(TEXT, add_special_tokens=False)["input_ids"])
+    assert finish == "length"
+
+
+def test_stop_string_ends_the_stream_and_is_not_sent(tokenizer: Any) -> None:
+    sent, finish, steps = _stream(tokenizer, stop=("stops here",))
+    assert finish == "stop"
+    assert sent == TEXT[: TEXT.index("stops here")]
+    assert steps < len(tokenizer(TEXT, add_special_tokens=False)["input_ids"])
+
+
+def test_first_of_several_stop_strings_wins(tokenizer: Any) -> None:
+    sent, finish, _ = _stream(tokenizer, stop=("more text", "Then"))
+    assert finish == "stop"
+    assert sent == TEXT[: TEXT.index("Then")]
+
+
+def test_a_partial_stop_string_is_held_back(tokenizer: Any) -> None:
+    detok = Detokenizer(tokenizer, ("stops here",))
+    ids = tokenizer("it st", add_special_tokens=False)["input_ids"]
+    delta, finish = detok.push(ids, None)
+    assert finish is None
+    assert not delta.endswith("st")  # might still become "stops here"
