@@ -1,4 +1,5 @@
-"""The `pdserve` command line."""
+"""The `pdserve` command line: run the app locally (`up`, `down`), talk to it (`generate`,
+`status`), and prepare built-in models."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from engine.models import builtin_names, resolve_model
+
+LOCAL_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
 
 
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
@@ -18,7 +22,97 @@ def _cmd_model_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_up(args: argparse.Namespace) -> int:
+    from deploy.config import AppConfig, load_app_config
+    from deploy.up import up
+
+    data = load_app_config(Path(args.config)).model_dump()
+    if args.model:
+        data["engine"]["model"] = args.model
+    if args.topology:
+        data["topology"] = args.topology
+    if args.backend:
+        data["kv_transfer"]["backend"] = args.backend
+    config = AppConfig.model_validate(data)
+    started = time.perf_counter()
+    print(f"pdserve up: starting {config.name} ({config.topology}, model {config.engine.model})...")
+    run = up(config, http_port=args.http_port, grpc_port=args.grpc_port, timeout_s=args.timeout)
+    print(f"pdserve is up in {time.perf_counter() - started:.0f} s")
+    print(f"  gRPC    {run.grpc_target}  (pdserve.v1.PDServe, grpc.health.v1.Health)")
+    print(f"  HTTP    {run.http_url}  (OpenAI: /completions, /chat/completions, /models)")
+    print(f"  Ray     {run.ray_address}")
+    print("  Redis   127.0.0.1 (private; URL in the run state)")
+    print("  stop it with `pdserve down`")
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from deploy.up import down
+
+    report = down()
+    if report is None:
+        print("pdserve down: nothing is running")
+        return 0
+    if report.leftovers:
+        print(f"pdserve down: processes still running: {report.leftovers}", file=sys.stderr)
+        return 1
+    print(f"pdserve down: stopped run {report.run_id}")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from deploy.status import print_status
+
+    return print_status()
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.local:
+        return _generate_local(args)
+    from api.client import PDServeClient, collect
+    from deploy.local import load_run
+
+    target = args.target
+    if target is None:
+        run = load_run()
+        target = run.grpc_target if run is not None else "127.0.0.1:9000"
+    kwargs: dict[str, object] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.seed is not None:
+        kwargs["seed"] = args.seed
+    if args.chat:
+        kwargs["messages"] = [{"role": "user", "content": args.prompt}]
+        prompt = None
+    else:
+        prompt = args.prompt
+    import grpc
+
+    with PDServeClient(target, timeout_s=args.timeout) as client:
+        try:
+            stream = client.generate(prompt, **kwargs)  # type: ignore[arg-type]
+            if args.stream:
+                chunks = []
+                for chunk in stream:
+                    print(chunk.text, end="", flush=True)
+                    chunks.append(chunk)
+                print()
+                done = collect(chunks)
+            else:
+                done = collect(stream)
+                print(done.text)
+        except grpc.RpcError as exc:
+            print(f"pdserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2
+    t = done.timings
+    print(
+        f"[{done.usage.prompt_tokens} prompt tokens, {done.usage.completion_tokens} generated, "
+        f"finish={done.finish_reason}, ttft {t.ttft_s * 1000:.0f} ms, "
+        f"tpot {t.mean_tpot_s * 1000:.0f} ms, e2e {t.e2e_s * 1000:.0f} ms]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _generate_local(args: argparse.Namespace) -> int:
     from engine.local import LocalEngine
     from engine.params import GenerationParams
     from engine.platform import detect_device
@@ -53,22 +147,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    gen = commands.add_parser("generate", help="generate a completion with a local engine")
+    up = commands.add_parser("up", help="start a local Ray, Redis and the app; wait until healthy")
+    up.add_argument("--config", default=str(LOCAL_CONFIG), help="pdserve or Serve config YAML")
+    up.add_argument("--model", help="override engine.model (built-in name or HF folder)")
+    up.add_argument("--topology", choices=["disaggregated", "colocated"])
+    up.add_argument("--backend", choices=["nixl", "ray"], help="KV transfer backend")
+    up.add_argument("--http-port", type=int, default=8000)
+    up.add_argument("--grpc-port", type=int, default=9000)
+    up.add_argument("--timeout", type=float, default=900, help="seconds to wait for healthy")
+    up.set_defaults(func=_cmd_up)
+
+    down = commands.add_parser("down", help="stop everything `pdserve up` started")
+    down.set_defaults(func=_cmd_down)
+
+    status = commands.add_parser("status", help="pools, replicas, recent TTFT/TPOT percentiles")
+    status.set_defaults(func=_cmd_status)
+
+    gen = commands.add_parser("generate", help="generate a completion over gRPC")
     gen.add_argument("prompt", help="prompt text")
-    gen.add_argument(
-        "--model",
-        default="default",
-        help=f"built-in name ({', '.join(builtin_names())}) or a local HF folder",
-    )
-    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as one user message")
+    gen.add_argument("--target", help="gRPC host:port (default: the local run, else :9000)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--timeout", type=float, default=300, help="seconds for the whole call")
+    gen.add_argument(
+        "--local", action="store_true", help="no server: run an in-process engine instead"
+    )
+    gen.add_argument(
+        "--model",
+        default="default",
+        help=f"--local only: built-in name ({', '.join(builtin_names())}) or a local HF folder",
+    )
     gen.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
         default="float32",
-        help="engine dtype; bfloat16 is faster but flips near-tie greedy answers",
+        help="--local only: engine dtype; bfloat16 is faster but flips near-tie greedy answers",
     )
     gen.set_defaults(func=_cmd_generate)
 
@@ -87,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +19,9 @@ def _listed_commands() -> set[str]:
 
 
 def test_help_lists_only_working_commands() -> None:
-    # Each listed command has a test below that runs it for real.
-    assert _listed_commands() == {"generate", "model"}
+    # Each listed command has a test that runs it for real: `model` and `generate --local`
+    # below, `up`, `generate`, `status` and `down` in tests/readme/test_quickstart.py.
+    assert _listed_commands() == {"up", "down", "status", "generate", "model"}
     out = subprocess.run(
         [sys.executable, "-m", "deploy.cli", "--help"], capture_output=True, text=True, check=True
     ).stdout
@@ -31,7 +33,7 @@ def test_model_prepare(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert str(tiny_model) in capsys.readouterr().out
 
 
-def test_generate_runs_an_engine(tiny_model: Path) -> None:
+def test_generate_local_runs_an_engine(tiny_model: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
@@ -39,6 +41,7 @@ def test_generate_runs_an_engine(tiny_model: Path) -> None:
             "deploy.cli",
             "generate",
             "hello",
+            "--local",
             "--model",
             "tiny",
             "--max-tokens",
@@ -61,6 +64,7 @@ def test_generate_reports_bad_input() -> None:
             "deploy.cli",
             "generate",
             "hi",
+            "--local",
             "--model",
             "tiny",
             "--max-tokens",
@@ -73,3 +77,47 @@ def test_generate_reports_bad_input() -> None:
     )
     assert proc.returncode == 2
     assert "max_tokens" in proc.stderr
+
+
+def test_commands_without_a_run_say_so(tmp_path: Path) -> None:
+    env = {**os.environ, "PDSERVE_RUN_DIR": str(tmp_path)}
+    for command, rc, text in [
+        ("down", 0, "nothing is running"),
+        ("status", 1, "nothing is running"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "deploy.cli", command],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            timeout=120,
+        )
+        assert proc.returncode == rc, proc.stderr
+        assert text in proc.stdout
+
+
+def test_generate_without_a_server_fails_clearly(tmp_path: Path) -> None:
+    from deploy.local import free_port
+
+    env = {**os.environ, "PDSERVE_RUN_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "generate",
+            "hi",
+            "--target",
+            f"127.0.0.1:{free_port()}",
+            "--timeout",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "UNAVAILABLE" in proc.stderr or "DEADLINE_EXCEEDED" in proc.stderr

@@ -1,0 +1,178 @@
+"""`pdserve up` and `pdserve down` for local mode.
+
+up:   redis-server -> ray start --head -> serve.start(HTTP, gRPC) -> serve.run(app)
+      -> wait until gRPC Health says SERVING -> write the run state
+down: serve.shutdown (engines stop gracefully) -> SIGTERM `ray start --block`
+      -> SIGKILL whatever still carries the run marker -> stop redis -> remove the state
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from deploy.config import AppConfig
+from deploy.control.redis_server import start_redis_server
+from deploy.local import (
+    GRPC_SERVICERS,
+    RAY_AUTH_ENV,
+    RUN_MARKER,
+    LocalRun,
+    load_run,
+    marked_pids,
+    new_run_id,
+    port_is_free,
+    run_dir,
+    start_ray_head,
+    state_file,
+    stop_pid,
+)
+
+
+class AlreadyUp(RuntimeError):
+    pass
+
+
+def _num_cpus(config: AppConfig) -> int:
+    # Logical CPUs for Ray: enough for every pool at its max size, whatever the cores.
+    pools = config.pools.values()
+    return max(os.cpu_count() or 1, int(sum(p.num_cpus * p.max_replicas for p in pools)) + 1)
+
+
+def up(
+    config: AppConfig, http_port: int = 8000, grpc_port: int = 9000, timeout_s: float = 900
+) -> LocalRun:
+    existing = load_run()
+    if existing is not None:
+        if marked_pids(existing.run_id):
+            raise AlreadyUp(
+                f"pdserve is already up (gRPC {existing.grpc_target}); run `pdserve down` first"
+            )
+        state_file().unlink()  # a stale record of a run whose processes are gone
+    for name, port in (("HTTP", http_port), ("gRPC", grpc_port)):
+        if not port_is_free(port):
+            raise ValueError(
+                f"{name} port {port} is in use; pick another with --{name.lower()}-port"
+            )
+    run_id = new_run_id()
+    base = run_dir() / run_id
+    base.mkdir(parents=True, exist_ok=True)
+    os.environ[RUN_MARKER] = run_id  # redis-server inherits it
+    redis = start_redis_server(base / "redis")
+    ray_pid = 0
+    try:
+        ray_pid, address = start_ray_head(run_id, base / "ray", _num_cpus(config))
+        run = LocalRun(
+            run_id=run_id,
+            app=config.name,
+            ray_pid=ray_pid,
+            ray_address=address,
+            redis_pid=redis.pid,
+            redis_url=redis.url,
+            http_port=http_port,
+            grpc_port=grpc_port,
+            temp_dir=str(base),
+        )
+        run.save()
+        config = config.model_copy(
+            update={"control": config.control.model_copy(update={"redis_url": redis.url})}
+        )
+        _deploy(run, config, timeout_s)
+        return run
+    except BaseException:
+        _stop_all(run_id, ray_pid, redis.pid)
+        state_file().unlink(missing_ok=True)
+        raise
+    finally:
+        os.environ.pop(RUN_MARKER, None)
+
+
+def _deploy(run: LocalRun, config: AppConfig, timeout_s: float) -> None:
+    # Before Ray is imported: it reads its auth mode once.
+    os.environ.update(RAY_AUTH_ENV)
+    import ray
+    from ray import serve
+    from ray.serve import api as serve_api
+    from ray.serve.config import gRPCOptions
+
+    from deploy.app import build_app
+
+    ray.init(
+        address=run.ray_address, namespace="pdserve", logging_level="WARNING", log_to_driver=False
+    )
+    try:
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": run.http_port},
+            grpc_options=gRPCOptions(port=run.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
+        )
+        # Returns at once; wait_serving below bounds the wait and reports a failed deploy.
+        serve_api._run(build_app(config), name=config.name, route_prefix="/", _blocking=False)
+        wait_serving(run.app, timeout_s)
+    finally:
+        ray.shutdown()
+
+
+def wait_serving(app_name: str, timeout_s: float) -> None:
+    """Wait until the Serve app is RUNNING; raise with Serve's message if it failed."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(app_name)
+        status = str(app.status) if app is not None else "MISSING"
+        if status.endswith("RUNNING"):
+            return
+        if status.endswith("DEPLOY_FAILED") or time.monotonic() > deadline:
+            message = app.message if app is not None else ""
+            raise RuntimeError(f"app {app_name} is {status}: {message}")
+        time.sleep(1.0)
+
+
+@dataclass(frozen=True)
+class DownReport:
+    run_id: str
+    num_killed: int
+    leftovers: list[int]
+
+
+def down(timeout_s: float = 60) -> DownReport | None:
+    run = load_run()
+    if run is None:
+        return None
+    if marked_pids(run.run_id) and _alive_ray(run):
+        _shutdown_serve(run, timeout_s)
+    killed = _stop_all(run.run_id, run.ray_pid, run.redis_pid)
+    state_file().unlink(missing_ok=True)
+    return DownReport(run.run_id, killed, marked_pids(run.run_id))
+
+
+def _alive_ray(run: LocalRun) -> bool:
+    return os.path.exists(f"/proc/{run.ray_pid}")
+
+
+def _shutdown_serve(run: LocalRun, timeout_s: float) -> None:
+    """Graceful: replicas' engines shut down their own child processes."""
+    os.environ.update(RAY_AUTH_ENV)
+    import ray
+    from ray import serve
+
+    try:
+        ray.init(
+            address=run.ray_address, namespace="pdserve", logging_level="ERROR", log_to_driver=False
+        )
+        serve.shutdown()
+    except Exception as exc:  # the SIGTERM/SIGKILL below still stop everything
+        print(f"pdserve down: graceful Serve shutdown failed ({exc}); stopping processes")
+    finally:
+        ray.shutdown()
+
+
+def _stop_all(run_id: str, ray_pid: int, redis_pid: int) -> int:
+    if ray_pid:
+        stop_pid(ray_pid, timeout_s=30)
+    leftovers = [pid for pid in marked_pids(run_id) if pid != redis_pid]
+    for pid in leftovers:
+        stop_pid(pid, timeout_s=5)
+    stop_pid(redis_pid, timeout_s=10)
+    return len(leftovers)

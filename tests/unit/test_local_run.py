@@ -1,0 +1,65 @@
+"""Local-mode process bookkeeping: the run marker finds exactly our processes; stop_pid stops
+one by PID; percentiles for `pdserve status`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from deploy.local import RUN_MARKER, marked_pids, new_run_id, port_is_free, stop_pid
+from deploy.status import format_latencies, percentile
+
+
+def test_marker_finds_children_and_stop_pid_stops_them() -> None:
+    run_id = new_run_id()
+    env = {**os.environ, RUN_MARKER: run_id}
+    # A parent whose child inherits the marker, as Ray's workers and vLLM's engines do.
+    child = "import time; time.sleep(60)"
+    script = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], env=env, start_new_session=True)
+    try:
+        for _ in range(50):
+            if len(marked_pids(run_id)) == 2:
+                break
+            time.sleep(0.1)
+        found = marked_pids(run_id)
+        assert parent.pid in found and len(found) == 2
+        assert marked_pids(new_run_id()) == []
+        for pid in found:
+            stop_pid(pid, timeout_s=5)
+        parent.wait(timeout=5)
+        assert marked_pids(run_id) == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_port_is_free() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        assert not port_is_free(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("q", [0, 50, 90, 95, 99, 100])
+def test_percentile_matches_numpy(q: float) -> None:
+    values = [0.3, 0.01, 2.5, 0.7, 0.7, 1.1, 0.05]
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_format_latencies_marks_empty_metrics() -> None:
+    lines = format_latencies({"ttft": [0.1, 0.2, 0.3]})
+    ttft = next(line for line in lines if line.strip().startswith("ttft"))
+    assert ttft.split()[1] == "3" and "200ms" in ttft
+    tpot = next(line for line in lines if line.strip().startswith("tpot"))
+    assert tpot.split()[1:] == ["0", "-", "-", "-"]
