@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -91,13 +92,14 @@ def port_is_free(port: int) -> bool:
 
 
 def start_ray_head(
-    run_id: str, temp_dir: Path, num_cpus: int, timeout_s: float = 60
+    run_id: str, log_dir: Path, num_cpus: int, timeout_s: float = 60
 ) -> tuple[int, str]:
     """`ray start --head --block` in its own session; returns (pid, GCS address) once the GCS
     answers. --block keeps the process: SIGTERM to it stops the whole local cluster."""
     port = free_port()
     env = {**os.environ, **RAY_AUTH_ENV, RUN_MARKER: run_id, "RAY_USAGE_STATS_ENABLED": "0"}
-    log = (temp_dir.parent / "ray-start.log").open("ab")
+    log = (log_dir / "ray-start.log").open("ab")
+    temp_dir = ray_temp_dir(run_id)
     ray_bin = Path(sys.executable).with_name("ray")
     proc = subprocess.Popen(
         [
@@ -130,6 +132,12 @@ def start_ray_head(
     raise RuntimeError(f"Ray head did not come up within {timeout_s:.0f} s; see {log.name}")
 
 
+def ray_temp_dir(run_id: str) -> Path:
+    """Ray's session files for this run. Short on purpose: Ray puts unix sockets under it and
+    AF_UNIX paths are capped at 107 bytes, which a deep run directory would exceed."""
+    return Path(tempfile.gettempdir()) / f"pdserve-{run_id}"
+
+
 def marked_pids(run_id: str) -> list[int]:
     """PIDs of live processes whose environment carries this run's marker."""
     needle = f"{RUN_MARKER}={run_id}".encode()
@@ -154,14 +162,15 @@ def stop_pid(pid: int, timeout_s: float = 15) -> None:
         return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not pid_is_alive(pid):
             return
         time.sleep(0.2)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
+def pid_is_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie awaiting its reaper does not count)."""
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
     try:

@@ -9,6 +9,7 @@ down: serve.shutdown (engines stop gracefully) -> SIGTERM `ray start --block`
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from deploy.local import (
     marked_pids,
     new_run_id,
     port_is_free,
+    ray_temp_dir,
     run_dir,
     start_ray_head,
     state_file,
@@ -62,7 +64,7 @@ def up(
     redis = start_redis_server(base / "redis")
     ray_pid = 0
     try:
-        ray_pid, address = start_ray_head(run_id, base / "ray", _num_cpus(config))
+        ray_pid, address = start_ray_head(run_id, base, _num_cpus(config))
         run = LocalRun(
             run_id=run_id,
             app=config.name,
@@ -144,6 +146,7 @@ def down(timeout_s: float = 60) -> DownReport | None:
         _shutdown_serve(run, timeout_s)
     killed = _stop_all(run.run_id, run.ray_pid, run.redis_pid)
     state_file().unlink(missing_ok=True)
+    shutil.rmtree(ray_temp_dir(run.run_id), ignore_errors=True)
     return DownReport(run.run_id, killed, marked_pids(run.run_id))
 
 
