@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from decode_workers.worker import DecodeChunk, DecodeWorker
 from deploy.config import AppConfig
 from deploy.engines import engine_settings, served_transfer_settings
+from engine.autoscaling_stats import DecodeWindow
 from engine.replica import ReplicaShell, serve_replica_id
 from engine.request import GenerationRequest
 from kv_transfer.handoff import KVHandoff
@@ -24,17 +25,32 @@ class DecodeServer(ReplicaShell):
         self._engine_owner = worker
         self._stats = worker.stats
         self._transfer_metrics = TransferMetrics(config.name, worker.backend.name)
+        self._window = DecodeWindow(config.autoscaling.window_s, config.autoscaling.percentile)
+        self.connect_control_plane(config.control.redis_url, config.name)
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        # Serve calls this periodically: also the moment to export the transfers since the last.
+    def on_stats_tick(self) -> None:
+        # Periodic (routing-stats period): export the KV transfers made since the last tick.
         self._transfer_metrics.observe(self._stats.take_transfers())
-        return self.routing_snapshot()
 
     async def decode(
         self, request: GenerationRequest, handoff: KVHandoff
     ) -> AsyncIterator[DecodeChunk]:
+        # TPOT of this request on this replica: from its first decoded token to its last.
+        first_at = last_at = 0.0
+        num_tokens = 0
         async for chunk in self._engine_owner.decode(request, handoff):
+            if chunk.token_ids:
+                last_at = time.perf_counter()
+                first_at = first_at or last_at
+                num_tokens += len(chunk.token_ids)
             yield chunk
+        if num_tokens > 1:
+            self._window.record_tpot((last_at - first_at) / (num_tokens - 1))
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Pushed to the Serve controller for the decode pool's SLO policy."""
+        latest = self._stats.latest
+        return self._window.report(latest.num_running, latest.num_waiting, latest.kv_cache_usage)
 
     async def release(self, handoff: KVHandoff) -> None:
         await self._engine_owner.release(handoff)

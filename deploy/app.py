@@ -19,7 +19,9 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from decode_workers.deployment import DecodeServer
+from deploy.autoscaling.serve_policy import autoscaling_config_for
 from deploy.config import AppConfig, PoolName
+from deploy.control.keys import REDIS_URL_ENV
 from engine.colocated import ColocatedServer
 from kv_transfer.base import make_backend
 from prefill_workers.deployment import PrefillServer
@@ -56,7 +58,7 @@ def deployment_options(config: AppConfig, pool: PoolName) -> dict[str, Any]:
     env = dict(_ENGINE_ENV)
     return {
         "name": DEPLOYMENT_NAMES[pool],
-        "num_replicas": spec.num_replicas,
+        **_replica_count(config, pool),
         "max_ongoing_requests": spec.max_ongoing_requests,
         "ray_actor_options": {
             "num_cpus": spec.num_cpus,
@@ -76,6 +78,30 @@ def deployment_options(config: AppConfig, pool: PoolName) -> dict[str, Any]:
     }
 
 
+def _replica_count(config: AppConfig, pool: PoolName) -> dict[str, Any]:
+    """A fixed `num_replicas`, or our SLO policy for the pool (`autoscaling_config`)."""
+    spec = config.pools[pool]
+    if pool == "engine" or not config.autoscaling.enabled:
+        return {"num_replicas": spec.num_replicas}
+    # The Redis URL carries a password and Serve logs policy kwargs: when it came from the
+    # environment, the policy reads the same variable (the Ray head's env) instead.
+    from_env = config.control.redis_url is None or config.control.redis_url == os.environ.get(
+        REDIS_URL_ENV
+    )
+    autoscaling = autoscaling_config_for(
+        pool,
+        config.name,
+        None if from_env else config.control.redis_url,
+        spec.min_replicas,
+        spec.max_replicas,
+        spec.num_replicas,
+        slo=config.autoscaling.slo,
+        config=config.autoscaling.policy_config(),
+        redis_url_env=REDIS_URL_ENV if from_env else None,
+    )
+    return {"autoscaling_config": autoscaling}
+
+
 def _pool(config: AppConfig, pool: PoolName) -> Application:
     deployment = serve.deployment(_SERVERS[pool]).options(**deployment_options(config, pool))
     return deployment.bind(config)
@@ -83,11 +109,11 @@ def _pool(config: AppConfig, pool: PoolName) -> Application:
 
 def build_app(config: AppConfig) -> Application:
     """The app graph for `config`; nothing starts until `serve.run` / `serve deploy`."""
-    if config.control.redis_url is None and os.environ.get("PDSERVE_REDIS_URL"):
+    if config.control.redis_url is None and os.environ.get(REDIS_URL_ENV):
         config = config.model_copy(
             update={
                 "control": config.control.model_copy(
-                    update={"redis_url": os.environ["PDSERVE_REDIS_URL"]}
+                    update={"redis_url": os.environ[REDIS_URL_ENV]}
                 )
             }
         )

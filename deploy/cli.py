@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from deploy.cli_ops import add_operator_commands
 from engine.models import builtin_names, resolve_model
 
 LOCAL_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
@@ -187,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="--local only: engine dtype; bfloat16 is faster but flips near-tie greedy answers",
     )
     gen.set_defaults(func=_cmd_generate)
+
+    add_operator_commands(commands)
 
     model = commands.add_parser("model", help="prepare built-in models")
     model_commands = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")

@@ -8,11 +8,13 @@ Inside the app it is turned into frozen records (`EngineSettings`, `TransferSett
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deploy.autoscaling.config import DEFAULT_CONFIG, AutoscalingConfig, PoolSLO
 from engine.settings import CPU_BLOCK_MULTIPLE, DEFAULT_CPU_KV_CACHE_BYTES
 
 Topology = Literal["disaggregated", "colocated"]
@@ -106,6 +108,36 @@ class RouterConfig(_Strict):
     stats_interval_s: float = Field(1.0, gt=0, description="replica status publish period")
 
 
+class AutoscalingSection(_Strict):
+    """Per-pool autoscaling (prefill on TTFT, decode on TPOT) by our Serve policies. The SLOs
+    here are the defaults; `pdserve slo set` overrides them in Redis on a running app."""
+
+    enabled: bool = Field(True, description="scale the prefill and decode pools on their SLOs")
+    ttft_p95_s: float = Field(5.0, gt=0, description="prefill pool's TTFT P95 target (s)")
+    tpot_p95_s: float = Field(0.2, gt=0, description="decode pool's TPOT P95 target (s)")
+    percentile: float = Field(95.0, gt=0, le=100, description="percentile the signals use")
+    window_s: float = Field(60.0, gt=0, description="replicas' latency window (s)")
+    tick_s: float = Field(10.0, gt=0, description="metrics push and decision period (s)")
+    upscale_cooldown_s: float = Field(20.0, ge=0, description="least time between scale-ups")
+    downscale_delay_s: float = Field(120.0, ge=0, description="calm this long before scaling down")
+    downscale_cooldown_s: float = Field(30.0, ge=0, description="least time after any scale event")
+
+    def policy_config(self) -> AutoscalingConfig:
+        return replace(
+            DEFAULT_CONFIG,
+            percentile=self.percentile,
+            window_s=self.window_s,
+            tick_s=self.tick_s,
+            upscale_cooldown_s=self.upscale_cooldown_s,
+            downscale_delay_s=self.downscale_delay_s,
+            downscale_cooldown_s=self.downscale_cooldown_s,
+        )
+
+    @property
+    def slo(self) -> PoolSLO:
+        return PoolSLO(ttft_p95_s=self.ttft_p95_s, tpot_p95_s=self.tpot_p95_s)
+
+
 class ControlConfig(_Strict):
     redis_url: str | None = Field(
         None,
@@ -131,6 +163,7 @@ class AppConfig(_Strict):
     )
     kv_transfer: TransferConfig = Field(default_factory=TransferConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
+    autoscaling: AutoscalingSection = Field(default_factory=AutoscalingSection)
     control: ControlConfig = Field(default_factory=ControlConfig)
 
     @model_validator(mode="after")

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
+from deploy.autoscaling import operator
+from deploy.autoscaling.config import PoolSLO
+from deploy.control.keys import POOLS
+from deploy.control.records import DecisionRecord, ReplicaStatus
 from deploy.local import LocalRun, load_run
 
 PERCENTILES = (50.0, 95.0, 99.0)
@@ -32,14 +37,57 @@ def format_latencies(samples: dict[str, list[float]]) -> list[str]:
     return lines
 
 
-async def _samples(run: LocalRun) -> dict[str, list[float]]:
+async def _from_redis(run: LocalRun) -> tuple[dict[str, list[float]], list[ReplicaStatus]]:
+    """Latency samples the router recorded, and the replicas' last published load."""
     from deploy.control.store import ControlStore
 
     store = await ControlStore.connect(run.redis_url, run.app)
     try:
-        return {m: await store.recent_samples(m, 1000) for m in METRICS}
+        samples = {m: await store.recent_samples(m, 1000) for m in METRICS}
+        replicas = [r for pool in POOLS for r in await store.replica_statuses(pool)]
+        return samples, replicas
     finally:
         await store.close()
+
+
+def format_replicas(replicas: Sequence[ReplicaStatus]) -> list[str]:
+    lines = [f"  {'replica':<28}{'pending tok':>12}{'running':>9}{'waiting':>9}{'KV used':>9}"]
+    for r in replicas:
+        lines.append(
+            f"  {r.replica_id:<28}{r.pending_prefill_tokens:>12}{r.num_running:>9}"
+            f"{r.num_waiting:>9}{r.kv_usage:>8.0%}"
+        )
+    return lines if replicas else ["  (no replica has reported yet)"]
+
+
+def format_pools(
+    samples: dict[str, list[float]],
+    slo: PoolSLO | None,
+    running: dict[str, int],
+    pins: dict[str, int | None],
+    decisions: Sequence[DecisionRecord],
+) -> list[str]:
+    """SLO vs observed P95 per pool, replicas running / target, pin."""
+    lines = [f"  {'pool':<9}{'SLO (P95)':<16}{'observed P95':<16}{'replicas':<10}pin"]
+    for pool, metric, name in (("prefill", "ttft", "TTFT"), ("decode", "tpot", "TPOT")):
+        target_s = None if slo is None else getattr(slo, f"{metric}_p95_s")
+        target = f"{name} {target_s * 1000:.0f}ms" if target_s else f"{name} (config)"
+        values = samples.get(metric, [])
+        seen = f"{name} {percentile(values, 95.0) * 1000:.0f}ms" if values else "-"
+        last = next((d for d in decisions if d.pool == pool), None)
+        now = running.get(pool.capitalize(), 0)
+        replicas = f"{now}/{last.target_replicas if last else now}"
+        pin = pins.get(pool)
+        lines.append(f"  {pool:<9}{target:<16}{seen:<16}{replicas:<10}{pin if pin else 'auto'}")
+    return lines
+
+
+def format_decisions(decisions: Sequence[DecisionRecord]) -> list[str]:
+    lines = []
+    for d in decisions:
+        at = time.strftime("%H:%M:%S", time.localtime(d.at))
+        lines.append(f"  {at} {d.pool:<8}{d.current_replicas} -> {d.target_replicas}  {d.reason}")
+    return lines or ["  (none yet)"]
 
 
 def print_status() -> int:
@@ -71,7 +119,25 @@ def print_status() -> int:
         for name, deployment in app.deployments.items():
             states = ", ".join(f"{s}: {n}" for s, n in sorted(deployment.replica_states.items()))
             print(f"  {name:<12}{states}   {deployment.status}")
+    samples, replicas = asyncio.run(_from_redis(run))
+    decisions = operator.recent_decisions(run.redis_url, run.app, n=10)
+    running = (
+        {n: int(d.replica_states.get("RUNNING", 0)) for n, d in app.deployments.items()}
+        if app is not None
+        else {}
+    )
+    print("autoscaling (prefill on TTFT, decode on TPOT)")
+    pins = operator.pins(run.redis_url, run.app)
+    slo = operator.get_slo(run.redis_url, run.app)
+    for line in format_pools(samples, slo, running, pins, decisions):
+        print(line)
+    print("replicas (last report)")
+    for line in format_replicas(replicas):
+        print(line)
+    print("last decisions")
+    for line in format_decisions(decisions):
+        print(line)
     print("recent latencies (last 1000 requests)")
-    for line in format_latencies(asyncio.run(_samples(run))):
+    for line in format_latencies(samples):
         print(line)
     return 0

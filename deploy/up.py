@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from deploy.config import AppConfig
+from deploy.control.keys import REDIS_URL_ENV
 from deploy.control.redis_server import start_redis_server
 from deploy.local import (
     GRPC_SERVICERS,
@@ -62,6 +63,9 @@ def up(
     base.mkdir(parents=True, exist_ok=True)
     os.environ[RUN_MARKER] = run_id  # redis-server inherits it
     redis = start_redis_server(base / "redis")
+    # The Ray head (so the Serve controller and its autoscaling policies) and build_app read the
+    # control plane's URL from here; it carries the password, so it stays out of configs and logs.
+    os.environ[REDIS_URL_ENV] = redis.url
     ray_pid = 0
     try:
         ray_pid, address = start_ray_head(run_id, base, _num_cpus(config))
@@ -78,7 +82,7 @@ def up(
         )
         run.save()
         config = config.model_copy(
-            update={"control": config.control.model_copy(update={"redis_url": redis.url})}
+            update={"control": config.control.model_copy(update={"redis_url": None})}
         )
         _deploy(run, config, timeout_s)
         return run
@@ -88,6 +92,7 @@ def up(
         raise
     finally:
         os.environ.pop(RUN_MARKER, None)
+        os.environ.pop(REDIS_URL_ENV, None)
 
 
 def _deploy(run: LocalRun, config: AppConfig, timeout_s: float) -> None:

@@ -90,17 +90,21 @@ class ColocatedServer(ReplicaShell):
         owner.start()
         self._engine_owner = owner
         self._stats = owner.stats
-        self._num_pending_prefill_tokens = 0
+        self._pending_tokens = 0
+
+    @property
+    def num_pending_prefill_tokens(self) -> int:
+        return self._pending_tokens
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        self._num_pending_prefill_tokens += request.num_prompt_tokens
+        self._pending_tokens += request.num_prompt_tokens
         prefilled = False
         try:
             async for event in self._engine_owner.generate(request):
                 if event.is_first:
                     prefilled = True
-                    self._num_pending_prefill_tokens -= request.num_prompt_tokens
+                    self._pending_tokens -= request.num_prompt_tokens
                 yield event
         finally:
             if not prefilled:
-                self._num_pending_prefill_tokens -= request.num_prompt_tokens
+                self._pending_tokens -= request.num_prompt_tokens

@@ -7,10 +7,13 @@ count of prompt tokens it has accepted but not yet prefilled.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from engine.stats import EngineStatsRecorder
+
+logger = logging.getLogger(__name__)
 
 
 def serve_replica_id(default: str) -> str:
@@ -29,7 +32,12 @@ class ReplicaShell:
     pool: str
     _engine_owner: Any
     _stats: EngineStatsRecorder
-    _num_pending_prefill_tokens: int = 0
+    _store: Any = None
+
+    @property
+    def num_pending_prefill_tokens(self) -> int:
+        """Prompt tokens accepted and not yet prefilled (0 for a pool that never prefills)."""
+        return 0
 
     def num_total_blocks(self) -> int:
         engine = self._engine_owner.engine
@@ -42,7 +50,7 @@ class ReplicaShell:
         return {
             "pool": self.pool,
             "replica_id": self._engine_owner.worker_id,
-            "pending_prefill_tokens": self._num_pending_prefill_tokens,
+            "pending_prefill_tokens": self.num_pending_prefill_tokens,
             "num_running": latest.num_running,
             "num_waiting": latest.num_waiting,
             "kv_usage": latest.kv_cache_usage,
@@ -51,9 +59,46 @@ class ReplicaShell:
             "updated_at": time.time(),
         }
 
-    def record_routing_stats(self) -> dict[str, Any]:
+    def connect_control_plane(self, redis_url: str | None, app: str) -> None:
+        """Publish this replica's status to the app's Redis (what `pdserve status` lists)."""
+        self._store = None
+        if redis_url:
+            import redis.asyncio
+
+            from deploy.control.store import ControlStore
+
+            self._store = ControlStore(redis.asyncio.Redis.from_url(redis_url), app)
+
+    def on_stats_tick(self) -> None:
+        """Hook run on each routing-stats period (decode exports its KV transfer metrics)."""
+
+    async def record_routing_stats(self) -> dict[str, Any]:
         """Called by Serve every `request_routing_stats_period_s`; read by the request router."""
-        return self.routing_snapshot()
+        self.on_stats_tick()
+        snapshot = self.routing_snapshot()
+        if getattr(self, "_store", None) is not None and self.pool in ("prefill", "decode"):
+            await self._publish(snapshot)
+        return snapshot
+
+    async def _publish(self, snapshot: dict[str, Any]) -> None:
+        from deploy.control.records import ReplicaStatus
+
+        try:
+            await self._store.put_replica_status(
+                self.pool,
+                ReplicaStatus(
+                    replica_id=str(snapshot["replica_id"]),
+                    pool=self.pool,
+                    healthy=True,
+                    num_running=int(snapshot["num_running"]),
+                    num_waiting=int(snapshot["num_waiting"]),
+                    kv_usage=min(1.0, max(0.0, float(snapshot["kv_usage"]))),
+                    pending_prefill_tokens=int(snapshot["pending_prefill_tokens"]),
+                    updated_at=float(snapshot["updated_at"]),
+                ),
+            )
+        except Exception as exc:  # status is informational; routing and serving go on
+            logger.warning("publishing replica status to Redis failed: %s", exc)
 
     async def check_health(self) -> None:
         """Serve's health probe: a dead EngineCore marks the replica unhealthy and replaces it."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from deploy.config import AppConfig
 from deploy.engines import engine_settings, served_transfer_settings
+from engine.autoscaling_stats import PrefillWindow
 from engine.replica import ReplicaShell, serve_replica_id
 from engine.request import GenerationRequest
 from prefill_workers.worker import PrefillResult, PrefillWorker
@@ -18,12 +19,25 @@ class PrefillServer(ReplicaShell):
         worker.start()
         self._engine_owner = worker
         self._stats = worker.stats
-        self._num_pending_prefill_tokens = 0
+        self._window = PrefillWindow(config.autoscaling.window_s, config.autoscaling.percentile)
+        self.connect_control_plane(config.control.redis_url, config.name)
+
+    @property
+    def num_pending_prefill_tokens(self) -> int:
+        return self._window.num_pending_tokens
 
     async def prefill(self, request: GenerationRequest) -> PrefillResult:
-        self._num_pending_prefill_tokens += request.num_prompt_tokens
+        token = self._window.request_started(request.num_prompt_tokens)
         try:
             result: PrefillResult = await self._engine_owner.prefill(request)
-            return result
-        finally:
-            self._num_pending_prefill_tokens -= request.num_prompt_tokens
+        except BaseException:  # cancelled too: its tokens must not stay pending
+            self._window.request_aborted(token)
+            raise
+        self._window.request_finished(
+            token, queue_wait_s=result.engine_queue_seconds, compute_s=result.prefill_seconds
+        )
+        return result
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Pushed to the Serve controller for the prefill pool's SLO policy."""
+        return self._window.report()

@@ -24,6 +24,9 @@ KEY_ROOT = "pdserve"
 # No ':' (it separates key parts), no whitespace or braces (Redis Cluster hash tags).
 _APP_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
+# Where processes find the control plane's URL (it carries the password, so not in configs).
+REDIS_URL_ENV = "PDSERVE_REDIS_URL"
+
 
 def validate_pool(pool: str) -> str:
     if pool not in POOLS:

@@ -95,6 +95,8 @@ def _app_configs(redis_url: str) -> dict[str, AppConfig]:
             "colocated": {"cpu_cores": [0], "num_cpus": 0.5},
             "control": {"redis_url": redis_url},
             "router": {"default_max_tokens": 16, **router},
+            # Fixed pools: these apps test serving; test_autoscaling_app.py has its own app.
+            "autoscaling": {"enabled": False},
         }
 
     return {

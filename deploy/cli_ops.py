@@ -1,0 +1,158 @@
+"""`pdserve slo` and `pdserve scale`: change a running app's SLO, pins and bounds in Redis.
+
+The Serve autoscaling policies read them within about a second (deploy/autoscaling/
+serve_policy.py), so no redeploy is needed. The app and its Redis come from the local run
+(`pdserve up`), or from --redis-url (or PDSERVE_REDIS_URL) and --app on a cluster.
+
+    pdserve slo get
+    pdserve slo set [--ttft-p95 500ms] [--tpot-p95 60ms]
+    pdserve scale prefill|decode N        pin N replicas (clamped into the bounds)
+    pdserve scale prefill|decode auto     release the pin: scale on the SLO again
+    pdserve scale prefill|decode --min A --max B
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import NamedTuple
+
+import redis
+
+from deploy.autoscaling import operator
+from deploy.control.keys import POOLS, REDIS_URL_ENV
+
+
+class Target(NamedTuple):
+    redis_url: str
+    app: str
+
+
+def add_operator_commands(commands: argparse._SubParsersAction) -> None:
+    """Add `slo` and `scale` to the `pdserve` subcommands."""
+    slo = commands.add_parser("slo", help="show or set the latency SLO the pools scale on")
+    slo_actions = slo.add_subparsers(dest="slo_command", required=True, metavar="ACTION")
+    get = slo_actions.add_parser("get", help="show the SLO stored for the app")
+    _add_target_flags(get)
+    get.set_defaults(func=cmd_slo_get)
+    set_ = slo_actions.add_parser("set", help="set the TTFT and/or TPOT P95 target")
+    set_.add_argument("--ttft-p95", type=_duration, metavar="DURATION", help="e.g. 500ms, 2s")
+    set_.add_argument("--tpot-p95", type=_duration, metavar="DURATION", help="e.g. 60ms")
+    _add_target_flags(set_)
+    set_.set_defaults(func=cmd_slo_set)
+
+    scale = commands.add_parser(
+        "scale", help="pin a pool's replicas (N), release the pin (auto), or set its bounds"
+    )
+    scale.add_argument("pool", choices=POOLS)
+    scale.add_argument("replicas", nargs="?", metavar="N|auto", help="replicas to pin, or auto")
+    scale.add_argument("--min", dest="min_replicas", type=int, help="lower bound (with --max)")
+    scale.add_argument("--max", dest="max_replicas", type=int, help="upper bound (with --min)")
+    _add_target_flags(scale)
+    scale.set_defaults(func=cmd_scale)
+
+
+def cmd_slo_get(args: argparse.Namespace) -> int:
+    def run(target: Target) -> str:
+        slo = operator.get_slo(target.redis_url, target.app)
+        if slo is None:
+            return f"{target.app}: no SLO set; the pools use their configured defaults"
+        return f"{target.app}: SLO TTFT P95 {_fmt(slo.ttft_p95_s)}, TPOT P95 {_fmt(slo.tpot_p95_s)}"
+
+    return _run(args, run)
+
+
+def cmd_slo_set(args: argparse.Namespace) -> int:
+    def run(target: Target) -> str:
+        slo = operator.set_slo(target.redis_url, target.app, args.ttft_p95, args.tpot_p95)
+        return (
+            f"{target.app}: SLO set to TTFT P95 {_fmt(slo.ttft_p95_s)}, "
+            f"TPOT P95 {_fmt(slo.tpot_p95_s)} (the autoscalers apply it within a second)"
+        )
+
+    return _run(args, run)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    def run(target: Target) -> str:
+        url, app, pool = target.redis_url, target.app, args.pool
+        has_bounds = args.min_replicas is not None or args.max_replicas is not None
+        if args.replicas is None and not has_bounds:
+            raise ValueError("give N, auto, or --min A --max B")
+        if has_bounds and (args.min_replicas is None or args.max_replicas is None):
+            raise ValueError("--min and --max go together")
+        lines = []
+        bounds = None
+        if has_bounds:  # First, so a pin given with them is judged against the new bounds.
+            bounds = operator.set_bounds(url, app, pool, args.min_replicas, args.max_replicas)
+            lines.append(f"{app}: {pool} bounded to [{bounds.min_replicas}, {bounds.max_replicas}]")
+        if args.replicas == "auto":
+            had_pin = operator.unpin(url, app, pool)
+            lines.append(
+                f"{app}: {pool} scales on its SLO" + ("" if had_pin else " (it was not pinned)")
+            )
+        elif args.replicas is not None:
+            num_replicas = _replica_count(args.replicas)
+            operator.pin(url, app, pool, num_replicas)
+            bounds = bounds or operator.get_bounds(url, app, pool)
+            clamped = bounds.clamp(num_replicas) if bounds is not None else num_replicas
+            note = f", clamped to {clamped} by its bounds" if clamped != num_replicas else ""
+            lines.append(f"{app}: {pool} pinned to {num_replicas} replicas{note}")
+        return "\n".join(lines)
+
+    return _run(args, run)
+
+
+def resolve_target(args: argparse.Namespace) -> Target:
+    """Flags and PDSERVE_REDIS_URL first, then the local run's state file."""
+    url = args.redis_url or os.environ.get(REDIS_URL_ENV)
+    app = args.app
+    if url is None or app is None:
+        from deploy.local import load_run
+
+        run = load_run()
+        if run is not None:
+            url = url or run.redis_url
+            app = app or run.app
+    if url is None:
+        raise ValueError(f"no local run (pdserve up); give --redis-url or set {REDIS_URL_ENV}")
+    if app is None:
+        raise ValueError("no local run (pdserve up); give --app")
+    return Target(url, app)
+
+
+def _run(args: argparse.Namespace, action: Callable[[Target], str]) -> int:
+    """Run `action` and print its confirmation; a bad input or an unreachable Redis is one line
+    on stderr and exit code 2."""
+    try:
+        print(action(resolve_target(args)))
+    except (ValueError, redis.RedisError, OSError) as error:
+        print(f"pdserve: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_target_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--redis-url", help=f"control-plane Redis (default: ${REDIS_URL_ENV}, else the local run)"
+    )
+    parser.add_argument("--app", help="app name (default: the local run's)")
+
+
+def _duration(text: str) -> float:
+    try:
+        return operator.parse_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _replica_count(text: str) -> int:
+    if not text.isascii() or not text.isdigit():
+        raise ValueError(f"N must be a replica count >= 0 or 'auto', got {text!r}")
+    return int(text)
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds * 1000:g} ms" if seconds < 1 else f"{seconds:g} s"

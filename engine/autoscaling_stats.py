@@ -1,0 +1,220 @@
+"""Replica-side autoscaling windows: what a prefill or decode replica returns from Serve's
+`record_autoscaling_stats()`. Pure: the clock is injected, no ray or vllm.
+
+Calls, per replica:
+
+    prefill   token = window.request_started(num_prompt_tokens)   when a prefill arrives
+              window.request_finished(token, queue_wait_s=..., compute_s=...)
+                                                                   when its first token is out
+              window.request_aborted(token)                        when it failed or was cancelled
+              window.report()                                      each Serve record interval
+    decode    window.record_tpot(tpot_s)                           per finished request
+              window.report(num_running, num_waiting, kv_cache_usage)
+                                                                   each Serve record interval
+
+Every `request_started` must end in exactly one `request_finished` or `request_aborted`, or its
+tokens stay pending forever and the pool looks overloaded. Reports use the keys of
+`deploy/autoscaling/serve_metrics.py`; a latency key holds the configured percentile (named
+`_p95_s` whatever it is) or -1.0 when the window holds no sample. Not thread-safe: a Serve
+replica calls it from its one event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import NamedTuple, TypeVar
+
+from deploy.autoscaling.serve_metrics import (
+    BUSY_FRACTION,
+    KV_CACHE_USAGE,
+    NO_SAMPLE,
+    NUM_ONGOING_REQUESTS,
+    NUM_PENDING_TOKENS,
+    NUM_RUNNING,
+    NUM_WAITING,
+    PREFILL_TOKENS_PER_S,
+    QUEUE_WAIT_P95_S,
+    TPOT_P95_S,
+    TTFT_P95_S,
+)
+from deploy.autoscaling.signals import TimedSample
+from deploy.autoscaling.signals import percentile as percentile_of
+
+Clock = Callable[[], float]
+T = TypeVar("T")
+
+
+class _Started(NamedTuple):
+    at_s: float
+    num_prompt_tokens: int
+
+
+class _Prefilled(NamedTuple):
+    """One finished prefill: its compute interval and the tokens it computed."""
+
+    start_s: float
+    end_s: float
+    num_tokens: int
+
+
+class _Window:
+    """Timed samples kept for `window_s`; the shared part of both windows."""
+
+    def __init__(self, window_s: float, percentile: float, clock: Clock) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        if not 0 < percentile <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+        self.window_s = window_s
+        self.percentile = percentile
+        self._clock = clock
+
+    def _now(self) -> float:
+        return self._clock()
+
+    def _percentile_or_no_sample(self, samples: deque[TimedSample], now_s: float) -> float:
+        _expire(samples, now_s - self.window_s, lambda s: s.at_s)
+        value = percentile_of([s.value_s for s in samples], self.percentile)
+        return NO_SAMPLE if value is None else value
+
+
+class PrefillWindow(_Window):
+    """A prefill replica's TTFT and queue-wait samples, pending prompt tokens and busy time."""
+
+    def __init__(self, window_s: float, percentile: float, clock: Clock = time.monotonic) -> None:
+        super().__init__(window_s, percentile, clock)
+        self._created_at_s = clock()
+        self._ttft: deque[TimedSample] = deque()
+        self._queue_wait: deque[TimedSample] = deque()
+        self._prefilled: deque[_Prefilled] = deque()
+        self._ongoing: dict[int, _Started] = {}
+        self._tokens = itertools.count()
+
+    @property
+    def num_ongoing_requests(self) -> int:
+        return len(self._ongoing)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Prompt tokens of the requests started and not yet finished or aborted."""
+        return sum(started.num_prompt_tokens for started in self._ongoing.values())
+
+    def request_started(self, num_prompt_tokens: int) -> int:
+        """A prefill arrived; returns the token its `request_finished` / `_aborted` takes."""
+        if isinstance(num_prompt_tokens, bool) or num_prompt_tokens < 0:
+            raise ValueError(f"num_prompt_tokens must be an int >= 0, got {num_prompt_tokens!r}")
+        token = next(self._tokens)
+        self._ongoing[token] = _Started(self._now(), int(num_prompt_tokens))
+        return token
+
+    def request_finished(
+        self,
+        token: int,
+        *,
+        queue_wait_s: float,
+        compute_s: float,
+        ttft_s: float | None = None,
+    ) -> None:
+        """The first token is out. `compute_s` is the engine's prefill time (scheduled -> first
+        token), `queue_wait_s` its wait before; `ttft_s` defaults to the time since
+        `request_started`, the replica's own view of TTFT."""
+        started = self._pop(token)
+        for name, value in (("queue_wait_s", queue_wait_s), ("compute_s", compute_s)):
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        now = self._now()
+        ttft = now - started.at_s if ttft_s is None else ttft_s
+        self._ttft.append(TimedSample(now, max(ttft, 0.0)))
+        self._queue_wait.append(TimedSample(now, queue_wait_s))
+        # Finishes arrive in clock order, so the deque stays sorted by end time.
+        self._prefilled.append(_Prefilled(now - compute_s, now, started.num_prompt_tokens))
+        self._expire(now)
+
+    def request_aborted(self, token: int) -> None:
+        """The prefill failed or was cancelled: its tokens are no longer pending, no sample."""
+        self._pop(token)
+
+    def report(self) -> dict[str, float]:
+        """The window as Serve metrics (keys in `serve_metrics.PREFILL_METRIC_KEYS`)."""
+        now = self._now()
+        self._expire(now)
+        # Batched prefills overlap in time: busy time is the union of the intervals, so a
+        # batch of two 1-second prefills is one busy second at twice the speed.
+        busy_s = _union_length((p.start_s, p.end_s) for p in self._prefilled)
+        window_start = now - self.window_s
+        busy_in_window_s = _union_length(
+            (max(p.start_s, window_start), p.end_s) for p in self._prefilled
+        )
+        # A replica younger than the window has not been idle before it existed.
+        observed_s = min(self.window_s, now - self._created_at_s)
+        tokens = sum(p.num_tokens for p in self._prefilled)
+        return {
+            TTFT_P95_S: self._percentile_or_no_sample(self._ttft, now),
+            QUEUE_WAIT_P95_S: self._percentile_or_no_sample(self._queue_wait, now),
+            NUM_PENDING_TOKENS: float(self.num_pending_tokens),
+            NUM_ONGOING_REQUESTS: float(self.num_ongoing_requests),
+            PREFILL_TOKENS_PER_S: tokens / busy_s if busy_s > 0 else 0.0,
+            BUSY_FRACTION: min(busy_in_window_s / observed_s, 1.0) if observed_s > 0 else 0.0,
+        }
+
+    def _pop(self, token: int) -> _Started:
+        try:
+            return self._ongoing.pop(token)
+        except KeyError:
+            raise ValueError(f"unknown or already ended prefill token {token!r}") from None
+
+    def _expire(self, now_s: float) -> None:
+        start = now_s - self.window_s
+        _expire(self._ttft, start, lambda s: s.at_s)
+        _expire(self._queue_wait, start, lambda s: s.at_s)
+        _expire(self._prefilled, start, lambda p: p.end_s)
+
+
+class DecodeWindow(_Window):
+    """A decode replica's TPOT samples; batch and KV state come from the engine at report time."""
+
+    def __init__(self, window_s: float, percentile: float, clock: Clock = time.monotonic) -> None:
+        super().__init__(window_s, percentile, clock)
+        self._tpot: deque[TimedSample] = deque()
+
+    def record_tpot(self, tpot_s: float) -> None:
+        """A request finished with this mean time per output token (one sample per request)."""
+        if not tpot_s >= 0:
+            raise ValueError(f"tpot_s must be >= 0, got {tpot_s}")
+        now = self._now()
+        self._tpot.append(TimedSample(now, tpot_s))
+        _expire(self._tpot, now - self.window_s, lambda s: s.at_s)
+
+    def report(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> dict[str, float]:
+        """The window as Serve metrics (keys in `serve_metrics.DECODE_METRIC_KEYS`)."""
+        return {
+            TPOT_P95_S: self._percentile_or_no_sample(self._tpot, self._now()),
+            NUM_RUNNING: float(num_running),
+            NUM_WAITING: float(num_waiting),
+            KV_CACHE_USAGE: float(kv_cache_usage),
+        }
+
+
+def _expire(items: deque[T], start_s: float, at: Callable[[T], float]) -> None:
+    """Drop the items taken at or before `start_s` (the window is (now - window_s, now])."""
+    while items and at(items[0]) <= start_s:
+        items.popleft()
+
+
+def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by (start, end) intervals; empty ones count nothing."""
+    merged_s = 0.0
+    current: tuple[float, float] | None = None
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if current is None or start > current[1]:
+            if current is not None:
+                merged_s += current[1] - current[0]
+            current = (start, end)
+        else:
+            current = (current[0], max(current[1], end))
+    if current is not None:
+        merged_s += current[1] - current[0]
+    return merged_s
