@@ -9,7 +9,7 @@ from decode_workers.worker import DecodeChunk, DecodeWorker
 from deploy.config import AppConfig
 from deploy.engines import engine_settings, served_transfer_settings
 from engine.autoscaling_stats import DecodeWindow
-from engine.replica import ReplicaShell, serve_replica_id
+from engine.replica import ReplicaShell
 from engine.request import GenerationRequest
 from kv_transfer.handoff import KVHandoff
 from router.metrics import TransferMetrics
@@ -20,13 +20,9 @@ class DecodeServer(ReplicaShell):
 
     def __init__(self, config: AppConfig) -> None:
         worker = DecodeWorker(engine_settings(config, "decode"), served_transfer_settings(config))
-        worker.worker_id = f"decode-{serve_replica_id(worker.worker_id)}"
-        worker.start()
-        self._engine_owner = worker
-        self._stats = worker.stats
+        self.start_engine(worker, config.control.redis_url, config.name)
         self._transfer_metrics = TransferMetrics(config.name, worker.backend.name)
         self._window = DecodeWindow(config.autoscaling.window_s, config.autoscaling.percentile)
-        self.connect_control_plane(config.control.redis_url, config.name)
 
     def on_stats_tick(self) -> None:
         # Periodic (routing-stats period): export the KV transfers made since the last tick.

@@ -41,3 +41,26 @@ async def kv_cache_is_empty(engine: Any) -> bool:
     """True when no request holds a KV block (the scheduler refuses a prefix-cache reset while
     any block is in use, so this is a strict, fresh check, not a sampled statistic)."""
     return bool(await engine.reset_prefix_cache())
+
+
+class ServedEngine:
+    """One AsyncLLM owned by a worker: its id, stats, and the calls every worker shares.
+    Subclasses build the engine in `start()` (with or without a KV connector)."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.engine: Any = None
+        self.start_seconds = 0.0
+        self.stats = EngineStatsRecorder()
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def is_idle(self) -> bool:
+        """True when the engine holds no KV block (strict, fresh; see kv_cache_is_empty)."""
+        return await kv_cache_is_empty(self.engine)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None

@@ -9,27 +9,23 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from engine.async_engine import kv_cache_is_empty, start_async_engine
+from engine.async_engine import ServedEngine, start_async_engine
 from engine.events import TokenEvent, engine_times
-from engine.replica import ReplicaShell, serve_replica_id
+from engine.replica import ReplicaShell
 from engine.request import GenerationRequest
 from engine.sampling import to_sampling_params
 from engine.settings import EngineSettings
-from engine.stats import EngineStatsRecorder
 
 if TYPE_CHECKING:
     from deploy.config import AppConfig
 
 
-class ColocatedEngine:
+class ColocatedEngine(ServedEngine):
     def __init__(self, settings: EngineSettings, worker_id: str | None = None) -> None:
+        super().__init__(worker_id or f"engine-{uuid.uuid4().hex[:8]}")
         self.settings = settings
-        self.worker_id = worker_id or f"engine-{uuid.uuid4().hex[:8]}"
-        self.engine: Any = None
-        self.start_seconds = 0.0
-        self.stats = EngineStatsRecorder()
 
     def start(self) -> None:
         self.engine, self.start_seconds = start_async_engine(self.settings, recorder=self.stats)
@@ -65,17 +61,6 @@ class ColocatedEngine:
             num_seen += len(new_ids)
             yield TokenEvent(new_ids, completion.finish_reason)
 
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
-
-    async def is_idle(self) -> bool:
-        return await kv_cache_is_empty(self.engine)
-
-    def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
-
 
 class ColocatedServer(ReplicaShell):
     """The colocated topology's Serve deployment: one ColocatedEngine per replica."""
@@ -85,11 +70,7 @@ class ColocatedServer(ReplicaShell):
     def __init__(self, config: AppConfig) -> None:
         from deploy.engines import engine_settings
 
-        owner = ColocatedEngine(engine_settings(config, "engine"))
-        owner.worker_id = f"engine-{serve_replica_id(owner.worker_id)}"
-        owner.start()
-        self._engine_owner = owner
-        self._stats = owner.stats
+        self.start_engine(ColocatedEngine(engine_settings(config, "engine")), None, config.name)
         self._pending_tokens = 0
 
     @property

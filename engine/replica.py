@@ -59,6 +59,15 @@ class ReplicaShell:
             "updated_at": time.time(),
         }
 
+    def start_engine(self, owner: Any, redis_url: str | None, app: str) -> None:
+        """Name `owner` after this Serve replica (what the request router sees), start its
+        engine, and connect the control plane: what every engine deployment does first."""
+        owner.worker_id = f"{self.pool}-{serve_replica_id(owner.worker_id)}"
+        owner.start()
+        self._engine_owner = owner
+        self._stats = owner.stats
+        self.connect_control_plane(redis_url, app)
+
     def connect_control_plane(self, redis_url: str | None, app: str) -> None:
         """Publish this replica's status to the app's Redis (what `pdserve status` lists)."""
         self._store = None

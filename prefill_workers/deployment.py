@@ -5,7 +5,7 @@ from __future__ import annotations
 from deploy.config import AppConfig
 from deploy.engines import engine_settings, served_transfer_settings
 from engine.autoscaling_stats import PrefillWindow
-from engine.replica import ReplicaShell, serve_replica_id
+from engine.replica import ReplicaShell
 from engine.request import GenerationRequest
 from prefill_workers.worker import PrefillResult, PrefillWorker
 
@@ -15,12 +15,8 @@ class PrefillServer(ReplicaShell):
 
     def __init__(self, config: AppConfig) -> None:
         worker = PrefillWorker(engine_settings(config, "prefill"), served_transfer_settings(config))
-        worker.worker_id = f"prefill-{serve_replica_id(worker.worker_id)}"
-        worker.start()
-        self._engine_owner = worker
-        self._stats = worker.stats
+        self.start_engine(worker, config.control.redis_url, config.name)
         self._window = PrefillWindow(config.autoscaling.window_s, config.autoscaling.percentile)
-        self.connect_control_plane(config.control.redis_url, config.name)
 
     @property
     def num_pending_prefill_tokens(self) -> int:
