@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.cli import add_bench_commands
 from deploy.cli_ops import add_operator_commands
 from engine.models import builtin_names, resolve_model
 
@@ -190,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     add_operator_commands(commands)
+    add_bench_commands(commands)
 
     model = commands.add_parser("model", help="prepare built-in models")
     model_commands = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")

@@ -38,8 +38,8 @@ def add_operator_commands(commands: argparse._SubParsersAction) -> None:
     _add_target_flags(get)
     get.set_defaults(func=cmd_slo_get)
     set_ = slo_actions.add_parser("set", help="set the TTFT and/or TPOT P95 target")
-    set_.add_argument("--ttft-p95", type=_duration, metavar="DURATION", help="e.g. 500ms, 2s")
-    set_.add_argument("--tpot-p95", type=_duration, metavar="DURATION", help="e.g. 60ms")
+    set_.add_argument("--ttft-p95", type=duration_arg, metavar="DURATION", help="e.g. 500ms, 2s")
+    set_.add_argument("--tpot-p95", type=duration_arg, metavar="DURATION", help="e.g. 60ms")
     _add_target_flags(set_)
     set_.set_defaults(func=cmd_slo_set)
 
@@ -141,7 +141,7 @@ def _add_target_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--app", help="app name (default: the local run's)")
 
 
-def _duration(text: str) -> float:
+def duration_arg(text: str) -> float:
     try:
         return operator.parse_duration(text)
     except ValueError as error:

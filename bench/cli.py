@@ -1,0 +1,139 @@
+"""`pdserve bench run` and `pdserve bench compare`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bench.runner import Arrival
+from bench.targets import GrpcTarget, HttpTarget, Target
+from deploy.cli_ops import duration_arg
+
+if TYPE_CHECKING:
+    from deploy.config import AppConfig
+
+LOCAL_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "local.yaml"
+
+
+def add_bench_commands(commands: argparse._SubParsersAction) -> None:
+    from bench.systems import SYSTEMS
+    from bench.workload import workload_names
+
+    bench = commands.add_parser("bench", help="latency, goodput and cost, side by side")
+    actions = bench.add_subparsers(dest="bench_command", required=True, metavar="ACTION")
+
+    run = actions.add_parser(
+        "run",
+        help="start each system in turn and measure it (or measure a running endpoint)",
+        description="By default: the disaggregated app, the colocated app and the bare engine, "
+        "one after the other on the same cores, each through every workload.",
+    )
+    run.add_argument(
+        "--workload", action="append", metavar="NAME|YAML",
+        help=f"named ({', '.join(workload_names())}) or a YAML file; repeat for several "
+        "(default: chat)",
+    )  # fmt: skip
+    run.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    run.add_argument("--config", default=str(LOCAL_CONFIG), help="pdserve config the apps use")
+    run.add_argument("--model", help="override engine.model (also the prompts' tokenizer)")
+    endpoint = run.add_argument_group("a running endpoint instead of --systems")
+    endpoint.add_argument("--target", help="gRPC host:port of a running pdserve")
+    endpoint.add_argument("--app", help="Serve application name (gRPC metadata)")
+    endpoint.add_argument("--http", metavar="URL", help="OpenAI base URL, e.g. http://h:8000/v1")
+    endpoint.add_argument("--label", default="endpoint", help="the system's name in the report")
+    load = run.add_argument_group("load (default: each workload's own)")
+    load.add_argument("--rate", type=float, action="append", help="Poisson req/s; repeat to sweep")
+    load.add_argument(
+        "--concurrency", type=int, action="append", help="closed loop: requests in flight"
+    )
+    load.add_argument("--num-requests", type=int, help="requests per load point")
+    load.add_argument("--warmup", type=int, default=2, help="requests sent first, not measured")
+    load.add_argument("--seed", type=int, default=0)
+    report = run.add_argument_group("report")
+    report.add_argument("--slo-ttft", type=duration_arg, metavar="DURATION", help="e.g. 2s")
+    report.add_argument("--slo-tpot", type=duration_arg, metavar="DURATION", help="e.g. 100ms")
+    report.add_argument("--attainment", type=float, default=0.9, help="goodput's SLO target")
+    report.add_argument("--dollars-per-hour", type=float, default=1.0, help="the machine's price")
+    report.add_argument("--out", help="report folder (default bench/results/<time>)")
+    report.add_argument("--no-progress", action="store_true")
+    run.set_defaults(func=cmd_run)
+
+    compare = actions.add_parser("compare", help="ratios from a report: overhead and goodput")
+    compare.add_argument("report", help="report.json written by `pdserve bench run`")
+    compare.set_defaults(func=cmd_compare)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from bench.stats import SLO
+    from bench.suite import BenchPlan, run_benchmark
+    from bench.workload import load_workload
+    from deploy.config import AppConfig, load_app_config
+    from engine.models import resolve_model
+    from engine.prompts import load_tokenizer
+
+    if (args.slo_ttft is None) != (args.slo_tpot is None):
+        raise ValueError("give both --slo-ttft and --slo-tpot, or neither")
+    if args.rate and args.concurrency:
+        raise ValueError("give --rate or --concurrency, not both")
+    arrivals = [Arrival("poisson", r) for r in args.rate or ()] + [
+        Arrival("closed", c) for c in args.concurrency or ()
+    ]
+    plan = BenchPlan(
+        workloads=[load_workload(w) for w in args.workload or ["chat"]],
+        arrivals=arrivals or None,
+        num_requests=args.num_requests,
+        slo=SLO(args.slo_ttft, args.slo_tpot) if args.slo_ttft is not None else None,
+        dollars_per_hour=args.dollars_per_hour,
+        attainment_target=args.attainment,
+        num_warmup=args.warmup,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    data = load_app_config(Path(args.config)).model_dump()
+    if args.model:
+        data["engine"]["model"] = args.model
+    config = AppConfig.model_validate(data)
+    out = Path(args.out or f"bench/results/{time.strftime('%Y%m%d-%H%M%S')}")
+    tokenizer = load_tokenizer(str(resolve_model(config.engine.model)))
+    meta = {"command": " ".join(["pdserve", *sys.argv[1:]]), "model": config.engine.model}
+    report = run_benchmark(plan, _systems(args, config), tokenizer, out, meta)
+    from bench.compare import compare, format_comparisons
+    from bench.suite import write_report
+
+    for path in write_report(report, out):
+        print(f"wrote {path}")
+    print(format_comparisons(compare(report)))
+    return 0 if all(run.summary.num_completed for run in report.runs) else 1
+
+
+def _systems(
+    args: argparse.Namespace, config: AppConfig
+) -> list[Callable[[], AbstractContextManager[Target]]]:
+    if args.target and args.http:
+        raise ValueError("give --target (gRPC) or --http, not both")
+    if args.target:
+        return [partial(_running, GrpcTarget(args.label, args.target, args.app))]
+    if args.http:
+        return [partial(_running, HttpTarget(args.label, args.http))]
+    from bench.systems import start_system
+
+    return [partial(start_system, system, config) for system in args.systems]
+
+
+@contextmanager
+def _running(target: Target) -> Iterator[Target]:
+    yield target
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from bench.compare import compare, format_comparisons
+    from bench.report import Report
+
+    print(format_comparisons(compare(Report.load(Path(args.report)))))
+    return 0

@@ -1,0 +1,87 @@
+"""The systems a benchmark compares, each started for its turn and stopped after it, so they
+never share the cores:
+
+- `disaggregated`: `pdserve up` (its own Ray head, Redis, Serve app), prefill and decode pools;
+- `colocated`: the same, with one engine pool serving both phases;
+- `engine`: vLLM's AsyncLLM in this process, with the prefill pool's engine settings and cores.
+
+Autoscaling is off in a benchmark: the pools keep the sizes the config gives, so the three
+systems run on the same cores throughout. Ports are free ones, and the run state lives in a
+private PDSERVE_RUN_DIR, so a `pdserve up` already running is left alone.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+from bench.targets import EngineTarget, GrpcTarget, Target
+from deploy.config import AppConfig
+
+SystemName = Literal["disaggregated", "colocated", "engine"]
+SYSTEMS: tuple[SystemName, ...] = ("disaggregated", "colocated", "engine")
+
+
+def bench_config(config: AppConfig, system: SystemName) -> AppConfig:
+    data = config.model_dump()
+    data["autoscaling"]["enabled"] = False
+    if system != "engine":
+        data["topology"] = system
+    return AppConfig.model_validate(data)
+
+
+@contextmanager
+def start_system(system: SystemName, config: AppConfig, timeout_s: float = 900) -> Iterator[Target]:
+    if system == "engine":
+        with _bare_engine(config) as target:
+            yield target
+    else:
+        with _pdserve(system, bench_config(config, system), timeout_s) as target:
+            yield target
+
+
+@contextmanager
+def _pdserve(system: SystemName, config: AppConfig, timeout_s: float) -> Iterator[Target]:
+    from deploy.local import free_port
+    from deploy.up import down, up
+
+    previous = os.environ.get("PDSERVE_RUN_DIR")
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as run_dir:
+        os.environ["PDSERVE_RUN_DIR"] = run_dir
+        try:
+            run = up(config, http_port=free_port(), grpc_port=free_port(), timeout_s=timeout_s)
+            try:
+                yield GrpcTarget(system, run.grpc_target, application=config.name)
+            finally:
+                report = down()
+                if report is not None and report.leftovers:
+                    raise RuntimeError(f"{system}: processes left running: {report.leftovers}")
+        finally:
+            if previous is None:
+                os.environ.pop("PDSERVE_RUN_DIR", None)
+            else:
+                os.environ["PDSERVE_RUN_DIR"] = previous
+
+
+@contextmanager
+def _bare_engine(config: AppConfig) -> Iterator[Target]:
+    from deploy.engines import engine_settings
+    from engine.async_engine import start_async_engine
+
+    saved = dict(os.environ)
+    try:
+        engine, _ = start_async_engine(engine_settings(config, "prefill"))
+    finally:  # The engine's processes have their environment; this one gets its own back.
+        os.environ.clear()
+        os.environ.update(saved)
+    try:
+        yield EngineTarget("engine", engine)
+    finally:
+        engine.shutdown()
+        # Collected now: AsyncLLM's __del__ shuts down again, which fails at interpreter exit.
+        del engine
+        gc.collect()

@@ -1,0 +1,151 @@
+"""Benchmark reports from synthetic runs: JSON round trip, markdown, comparison ratios, plots;
+and the workloads (named files, traces, prompts of the asked length)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.compare import compare, format_comparisons
+from bench.record import RequestRecord, ServerTimings
+from bench.report import Report, Run, markdown
+from bench.runner import Arrival
+from bench.stats import SLO
+from bench.workload import Workload, build_requests, load_workload, read_trace, workload_names
+
+SLO_ = SLO(ttft_s=1.0, tpot_s=0.1)
+
+
+def synthetic_run(system: str, arrival: Arrival, ttft: float, tpot: float, n: int = 10) -> Run:
+    records = []
+    for i in range(n):
+        sent = i * 0.5
+        chunks = [(sent + ttft, 1)] + [(sent + ttft + tpot * k, 1) for k in range(1, 8)]
+        server = ServerTimings(0.001, ttft * 0.8, 0.005, ttft * 0.9, ttft * 0.95, ttft + 7 * tpot)
+        records.append(RequestRecord(i, 64, 8, sent, chunks, None, server))
+    return Run(system, "chat", arrival, records, SLO_, 2.0)
+
+
+def make_report() -> Report:
+    runs = []
+    for system, ttft, tpot in (
+        ("disaggregated", 0.3, 0.05),
+        ("colocated", 0.25, 0.06),
+        ("engine", 0.2, 0.04),
+    ):
+        runs.append(synthetic_run(system, Arrival("closed", 1), ttft, tpot))
+        # Latency grows with rate; each system breaks the TTFT SLO at a different rate.
+        for rate, factor in ((0.5, 1.0), (1.0, 2.0), (2.0, 4.0)):
+            breaks = {"disaggregated": 1.0, "colocated": 2.0, "engine": 4.0}[system]
+            runs.append(
+                synthetic_run(system, Arrival("poisson", rate), ttft * factor * breaks, tpot)
+            )
+    return Report({"model": "synthetic"}, runs, attainment_target=0.9)
+
+
+def test_json_round_trip_keeps_records_and_summaries(tmp_path: Path) -> None:
+    report = make_report()
+    report.save(tmp_path / "report.json")
+    body = json.loads((tmp_path / "report.json").read_text())
+    assert body["runs"][0]["summary"]["ttft"]["p50"] == pytest.approx(0.3)
+    loaded = Report.load(tmp_path / "report.json")
+    assert [r.system for r in loaded.runs] == [r.system for r in report.runs]
+    assert loaded.runs[3].summary == report.runs[3].summary
+    assert loaded.runs[0].records[0].server == report.runs[0].records[0].server
+
+
+def test_max_rate_meeting_slo_per_system() -> None:
+    report = make_report()
+    # disaggregated TTFT at 0.5/1/2 req/s: 0.3, 0.6, 1.2 s -> meets 1 s up to 1.0
+    assert report.max_rate_meeting_slo("chat", "disaggregated") == 1.0
+    # colocated: 0.5, 1.0, 2.0 -> 1.0 (1.0 <= 1.0 s)
+    assert report.max_rate_meeting_slo("chat", "colocated") == 1.0
+    # engine: 0.8, 1.6, ... -> 0.5
+    assert report.max_rate_meeting_slo("chat", "engine") == 0.5
+
+
+def test_compare_ratios() -> None:
+    (chat,) = compare(make_report())
+    assert chat.low_load == "1 in flight"
+    by_what = {r.what: r for r in chat.ratios}
+    ttft = by_what["TTFT P50 disaggregated / engine"]
+    assert (ttft.ours, ttft.baseline, ttft.ratio) == pytest.approx((0.3, 0.2, 1.5))
+    tpot = by_what["TPOT P95 disaggregated / engine"]
+    assert tpot.ratio == pytest.approx(0.05 / 0.04)
+    goodput = by_what["goodput (max req/s meeting the SLO) disaggregated / colocated"]
+    assert goodput.ratio == pytest.approx(1.0)
+    text = format_comparisons([chat])
+    assert "TTFT P50 disaggregated / engine: 300 ms vs 200 ms = 1.50x" in text
+
+
+def test_markdown_has_a_row_per_run_and_the_hops() -> None:
+    text = markdown(make_report())
+    rows = [line for line in text.splitlines() if line.startswith("| disaggregated | 0.5 req/s")]
+    assert len(rows) == 2  # the latency table and the per-hop table
+    assert "| 10/10 |" in rows[0] and "| 100% |" in rows[0]
+    # Per hop: client TTFT 300 ms, server TTFT 270 ms -> 30 ms outside the router.
+    assert rows[1].split("|")[4:8] == [" 240 ", " 270 ", " 300 ", " 30 "]
+    assert "disaggregated 1 req/s, colocated 1 req/s, engine 0.5 req/s" in text
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    from bench.plots import plot_report
+
+    paths = plot_report(make_report(), tmp_path)
+    assert [p.name for p in paths] == ["chat-cdf.png", "chat-vs-rate.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_named_workloads_load() -> None:
+    assert workload_names() == ["chat", "long-prompt", "shared-prefix"]
+    long_prompt = load_workload("long-prompt")
+    assert long_prompt.output_tokens is not None and long_prompt.output_tokens.value == 128
+    assert load_workload("shared-prefix").shared_prefix_tokens == 512
+    with pytest.raises(ValueError, match="unknown workload"):
+        load_workload("nope")
+
+
+def test_trace_workload(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"prompt_tokens": 10, "output_tokens": 3}\n\n{"prompt_tokens": 20, "output_tokens": 5}\n'
+    )
+    spec = tmp_path / "w.yaml"
+    spec.write_text(
+        "name: t\ntrace: t.jsonl\nnum_requests: 3\nrates: [1]\nslo: {ttft_s: 1, tpot_s: 1}\n"
+    )
+    assert load_workload(str(spec)).lengths(3, seed=0) == [(10, 3), (20, 5), (10, 3)]
+    trace.write_text('{"prompt_tokens": 0, "output_tokens": 3}\n')
+    with pytest.raises(ValueError, match=r"t\.jsonl:1"):
+        read_trace(trace)
+
+
+def test_workload_validation() -> None:
+    base = {"name": "w", "num_requests": 1, "rates": [1.0], "slo": {"ttft_s": 1, "tpot_s": 1}}
+    with pytest.raises(ValueError, match="trace"):
+        Workload.model_validate(base)
+    with pytest.raises(ValueError, match="low"):
+        Workload.model_validate(
+            {**base, "prompt_tokens": {"kind": "uniform", "low": 5, "high": 2},
+             "output_tokens": {"kind": "fixed", "value": 1}}
+        )  # fmt: skip
+
+
+def test_prompts_have_the_asked_lengths_and_share_only_the_prefix(tiny_model: Path) -> None:
+    from engine.prompts import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    workload = load_workload("shared-prefix")
+    first = build_requests(workload, tokenizer, 6, seed=1)
+    second = build_requests(workload, tokenizer, 6, seed=2)
+    # The prompt lengths land on target: shared prefix + own part (+ special tokens).
+    for request, (own, output) in zip(first, workload.lengths(6, seed=1), strict=True):
+        assert abs(request.prompt_tokens - (512 + own)) <= 3, request.prompt_tokens
+        assert request.max_tokens == output
+    prefix = first[0].prompt[:200]
+    assert all(r.prompt.startswith(prefix) for r in first + second)
+    assert first[0].prompt != second[0].prompt
+    assert build_requests(workload, tokenizer, 2, seed=1)[1].prompt == first[1].prompt
