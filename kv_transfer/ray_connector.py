@@ -9,7 +9,8 @@ Load it by module path (a name registered in the parent process does not reach v
                      kv_connector_extra_config={"ray_address": ..., "ray_namespace": ...,
                                                 "lease_registry": ..., "lease_seconds": 60})
 
-or build it with `ray_kv_transfer_config`. Request and output `kv_transfer_params` shapes are in
+or get it from the `ray` backend: `make_backend(TransferSettings(backend="ray", ...))
+.transfer_config(engine_id, role)`. Request and output `kv_transfer_params` shapes are in
 ray_params.py. The facade only forwards: RayKVScheduler (ray_scheduler.py) runs in the scheduler,
 RayKVWorker (ray_worker.py) next to the KV cache. Calls, in order per step:
 
@@ -22,7 +23,7 @@ Supports one worker per engine (tensor and pipeline parallel size 1) and one KV 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -42,7 +43,7 @@ from kv_transfer.ray_worker import RayKVWorker
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -50,34 +51,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-
-def ray_kv_transfer_config(
-    role: Literal["kv_producer", "kv_consumer"],
-    engine_id: str,
-    lease_registry: str,
-    *,
-    ray_address: str | None = None,
-    ray_namespace: str | None = None,
-    lease_seconds: float = 60.0,
-    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute",
-) -> KVTransferConfig:
-    """The KVTransferConfig of one engine using this connector, with pdserve's defaults."""
-    from vllm.config import KVTransferConfig
-
-    extra = {"lease_registry": lease_registry, "lease_seconds": lease_seconds}
-    if ray_address is not None:
-        extra["ray_address"] = ray_address
-    if ray_namespace is not None:
-        extra["ray_namespace"] = ray_namespace
-    return KVTransferConfig(
-        kv_connector="RayKVConnector",
-        kv_connector_module_path=__name__,
-        kv_role=role,
-        engine_id=engine_id,
-        kv_load_failure_policy=kv_load_failure_policy,
-        kv_connector_extra_config=extra,
-    )
 
 
 class RayKVConnector(KVConnectorBase_V1):

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kv_transfer.ray_connector import ray_kv_transfer_config
+from kv_transfer.base import TransferSettings, make_backend
 from kv_transfer.ray_params import consumer_params
 from tests.builders import make_settings
 from tests.engine.kv_harness import (
@@ -52,14 +52,19 @@ def registry(ray_address: str) -> Any:
     return start_lease_registry(REGISTRY, NAMESPACE)
 
 
-def connector_config(role: str, engine_id: str, **kwargs: Any) -> Any:
-    return ray_kv_transfer_config(
-        role,  # type: ignore[arg-type]
-        engine_id,
-        REGISTRY,
+def connector_config(
+    role: str, engine_id: str, *, kv_load_failure_policy: str = "recompute", **kwargs: Any
+) -> Any:
+    """The engine's KVTransferConfig, built by the `ray` backend as the served workers do."""
+    settings = TransferSettings(
+        backend="ray",
+        failure_policy=kv_load_failure_policy,  # type: ignore[arg-type]
         ray_namespace=NAMESPACE,
+        lease_registry=REGISTRY,
         **kwargs,
     )
+    side = "producer" if role == "kv_producer" else "consumer"
+    return make_backend(settings).transfer_config(engine_id, side)
 
 
 @pytest.fixture(scope="module")
