@@ -111,17 +111,20 @@ def _app_configs(redis_url: str) -> dict[str, AppConfig]:
     }
 
 
+@dataclass(frozen=True)
+class ServeProxy:
+    grpc_target: str
+    http_port: int
+
+
 @pytest.fixture(scope="package")
-def serve_apps(ray_cluster: object, redis_server: RedisServer) -> Iterator[dict[str, ServedApp]]:
-    """The disaggregated app over each KV backend and the colocated app, deployed together
-    (their engines start in parallel) behind one Serve HTTP and gRPC proxy."""
+def serve_proxy(ray_cluster: object) -> Iterator[ServeProxy]:
+    """Serve on the session's cluster with its HTTP and gRPC proxies on free ports. Apps are
+    deployed by the fixtures that need them, so a module runs beside only its own engines."""
     from ray import serve
-    from ray.serve import api as serve_api
     from ray.serve.config import gRPCOptions
 
-    from deploy.app import build_app
     from deploy.local import GRPC_SERVICERS, free_port
-    from deploy.up import wait_serving
 
     http_port, grpc_port = free_port(), free_port()
     serve.start(
@@ -129,8 +132,24 @@ def serve_apps(ray_cluster: object, redis_server: RedisServer) -> Iterator[dict[
         http_options={"host": "127.0.0.1", "port": http_port},
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
     )
+    yield ServeProxy(f"127.0.0.1:{grpc_port}", http_port)
+    serve.shutdown()
+
+
+@pytest.fixture(scope="package")
+def serve_apps(
+    serve_proxy: ServeProxy, redis_server: RedisServer
+) -> Iterator[dict[str, ServedApp]]:
+    """The disaggregated app over each KV backend and the colocated app, deployed together
+    (their engines start in parallel) behind the package's Serve HTTP and gRPC proxy."""
+    from ray import serve
+    from ray.serve import api as serve_api
+
+    from deploy.app import build_app
+    from deploy.up import wait_serving
+
     apps = {
-        key: ServedApp(key, config, f"127.0.0.1:{grpc_port}", http_port)
+        key: ServedApp(key, config, serve_proxy.grpc_target, serve_proxy.http_port)
         for key, config in _app_configs(redis_server.url).items()
     }
     for app in apps.values():
@@ -140,4 +159,5 @@ def serve_apps(ray_cluster: object, redis_server: RedisServer) -> Iterator[dict[
     for app in apps.values():
         wait_serving(app.name, APP_TIMEOUT_S)
     yield apps
-    serve.shutdown()
+    for app in apps.values():
+        serve.delete(app.name)
