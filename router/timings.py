@@ -60,6 +60,10 @@ class TimingClock:
         self._timings = replace(self._timings, decode_start_s=self.since_arrival())
 
     def first_decode_token(self, kv_transfer_s: float | None) -> None:
+        """The decode pool's first token: the KV transfer is over. Without a decode call (the
+        colocated topology) nothing was transferred and the field stays 0."""
+        if self._timings.decode_start_s == 0.0:
+            return
         if kv_transfer_s is None:
             kv_transfer_s = self.since_arrival() - self._timings.decode_start_s
         self._timings = replace(self._timings, kv_transfer_s=kv_transfer_s)

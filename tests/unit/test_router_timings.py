@@ -41,3 +41,15 @@ def test_a_one_token_answer_has_no_tpot() -> None:
     clock = TimingClock()
     clock.tokens_sent(1)
     assert clock.finish().mean_tpot_s == 0.0
+
+
+def test_no_decode_call_means_no_kv_transfer() -> None:
+    # The colocated topology: one engine streams every token; nothing is transferred.
+    clock = TimingClock()
+    clock.prefill_done(clock.since_arrival(), prefill_compute_s=0.0)
+    clock.tokens_sent(1)
+    time.sleep(0.01)
+    clock.first_decode_token(None)
+    clock.tokens_sent(1)
+    last = clock.finish()
+    assert (last.kv_transfer_s, last.decode_start_s) == (0.0, 0.0)
