@@ -75,8 +75,8 @@ class HttpTarget:
 
     def __init__(self, name: str, base_url: str, model: str = "") -> None:
         self.name = name
-        self._url = base_url.rstrip("/") + "/completions"
-        self._model = model
+        self._base = base_url.rstrip("/")
+        self._model = model  # empty: the first model `/models` lists
         self._client: httpx.AsyncClient | None = None
 
     async def send(self, request: BenchRequest, record: RequestRecord, clock: Clock) -> None:
@@ -84,6 +84,10 @@ class HttpTarget:
             import httpx
 
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0))
+        if not self._model:
+            listed = await self._client.get(f"{self._base}/models")
+            listed.raise_for_status()
+            self._model = str(listed.json()["data"][0]["id"])
         body = {
             "model": self._model,
             "prompt": request.prompt,
@@ -93,7 +97,7 @@ class HttpTarget:
             "stream": True,
         }
         usage: dict[str, int] | None = None
-        async with self._client.stream("POST", self._url, json=body) as response:
+        async with self._client.stream("POST", f"{self._base}/completions", json=body) as response:
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")[:300]
                 raise RuntimeError(f"HTTP {response.status_code}: {detail}")
