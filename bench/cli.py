@@ -1,4 +1,4 @@
-"""`pdserve bench run` and `pdserve bench compare`."""
+"""`pdserve bench run`, `pdserve bench compare` and `pdserve bench report`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from bench.targets import GrpcTarget, HttpTarget, Target
 from deploy.cli_ops import duration_arg
 
 if TYPE_CHECKING:
+    from bench.report import Report
     from deploy.config import AppConfig
 
 LOCAL_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "local.yaml"
@@ -66,7 +67,22 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
 
     compare = actions.add_parser("compare", help="ratios from a report: overhead and goodput")
     compare.add_argument("report", help="report.json written by `pdserve bench run`")
+    _add_judging_flags(compare)
     compare.set_defaults(func=cmd_compare)
+
+    rerender = actions.add_parser(
+        "report", help="rewrite a report's markdown and plots, optionally against another SLO"
+    )
+    rerender.add_argument("report", help="report.json written by `pdserve bench run`")
+    _add_judging_flags(rerender)
+    rerender.add_argument("--out", help="folder for the new files (default: the report's)")
+    rerender.set_defaults(func=cmd_report)
+
+
+def _add_judging_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--slo-ttft", type=duration_arg, metavar="DURATION", help="judge anew")
+    parser.add_argument("--slo-tpot", type=duration_arg, metavar="DURATION", help="judge anew")
+    parser.add_argument("--attainment", type=float, help="goodput's SLO target, e.g. 0.9")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -131,9 +147,27 @@ def _running(target: Target) -> Iterator[Target]:
     yield target
 
 
+def _judged_report(args: argparse.Namespace) -> Report:
+    from bench.report import Report
+    from bench.stats import SLO
+
+    if (args.slo_ttft is None) != (args.slo_tpot is None):
+        raise ValueError("give both --slo-ttft and --slo-tpot, or neither")
+    slo = SLO(args.slo_ttft, args.slo_tpot) if args.slo_ttft is not None else None
+    return Report.load(Path(args.report)).judged_by(slo, args.attainment)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from bench.compare import compare, format_comparisons
-    from bench.report import Report
 
-    print(format_comparisons(compare(Report.load(Path(args.report)))))
+    print(format_comparisons(compare(_judged_report(args))))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from bench.suite import write_report
+
+    out = Path(args.out) if args.out else Path(args.report).parent
+    for path in write_report(_judged_report(args), out):
+        print(f"wrote {path}")
     return 0

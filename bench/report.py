@@ -71,6 +71,15 @@ class Report:
         runs = [Run.from_json(r) for r in body["runs"]]
         return cls(body["meta"], runs, body.get("attainment_target", 0.9))
 
+    def judged_by(self, slo: SLO | None, attainment_target: float | None = None) -> Report:
+        """The same records judged against another SLO and/or attainment target."""
+        runs = [
+            Run(r.system, r.workload, r.arrival, r.records, slo or r.slo, r.dollars_per_hour)
+            for r in self.runs
+        ]
+        target = self.attainment_target if attainment_target is None else attainment_target
+        return Report(self.meta, runs, target)
+
     @property
     def workloads(self) -> list[str]:
         return list(dict.fromkeys(run.workload for run in self.runs))

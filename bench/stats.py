@@ -129,7 +129,8 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, dollars_per_hour: floa
         e2e=Distribution.of([r.e2e_s for r in done if r.e2e_s is not None]),
         server_queue_wait=Distribution.of([s.queue_wait_s for s in servers]),
         server_prefill=Distribution.of([s.prefill_s for s in servers]),
-        server_kv_transfer=Distribution.of([s.kv_transfer_s for s in servers]),
+        # Only requests that reached a decode pool moved KV (not colocated, not 1-token ones).
+        server_kv_transfer=Distribution.of([s.kv_transfer_s for s in servers if s.decode_start_s]),
         server_ttft=Distribution.of([s.ttft_s for s in servers]),
     )
 

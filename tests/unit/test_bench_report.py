@@ -149,3 +149,37 @@ def test_prompts_have_the_asked_lengths_and_share_only_the_prefix(tiny_model: Pa
     assert all(r.prompt.startswith(prefix) for r in first + second)
     assert first[0].prompt != second[0].prompt
     assert build_requests(workload, tokenizer, 2, seed=1)[1].prompt == first[1].prompt
+
+
+def test_judging_again_against_another_slo(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from deploy.cli import main
+
+    report = make_report()
+    report.save(tmp_path / "report.json")
+    # At 2 req/s disaggregated's TTFT is 1.2 s: it misses 1 s and meets 1.5 s.
+    strict = report.runs_of("chat", "disaggregated")[-1].summary.slo_attainment
+    loose = report.judged_by(SLO(1.5, 0.1)).runs_of("chat", "disaggregated")[-1].summary
+    assert (strict, loose.slo_attainment) == (0.0, 1.0)
+    assert report.judged_by(SLO(1.5, 0.1)).max_rate_meeting_slo("chat", "disaggregated") == 2.0
+    assert report.judged_by(None, 0.5).attainment_target == 0.5
+
+    assert main(["bench", "compare", str(tmp_path / "report.json"), "--slo-ttft", "1500ms",
+                 "--slo-tpot", "100ms"]) == 0  # fmt: skip
+    assert "disaggregated / colocated: 2 req/s vs 1 req/s = 2.00x" in capsys.readouterr().out
+    out = tmp_path / "loose"
+    assert main(["bench", "report", str(tmp_path / "report.json"), "--slo-ttft", "1500ms",
+                 "--slo-tpot", "100ms", "--out", str(out)]) == 0  # fmt: skip
+    assert "SLO: TTFT <= 1500 ms, TPOT <= 100 ms" in (out / "report.md").read_text()
+    assert (out / "chat-vs-rate.png").exists()
+    assert main(["bench", "compare", str(tmp_path / "report.json"), "--slo-ttft", "1s"]) == 2
+
+
+def test_kv_transfer_counts_only_requests_that_reached_decode() -> None:
+    colocated = synthetic_run("colocated", Arrival("closed", 1), 0.3, 0.05)
+    for r in colocated.records:
+        assert r.server is not None
+        r.server = ServerTimings(0.0, 0.2, 0.4, 0.3, 0.0, 0.6)  # no decode call
+    assert colocated.summary.server_kv_transfer is None
+    assert synthetic_run("pd", Arrival("closed", 1), 0.3, 0.05).summary.server_kv_transfer
