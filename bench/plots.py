@@ -4,6 +4,7 @@ and TTFT P95 / TPOT P95 against the offered rate, one line per system."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from bench.report import Report, Run
 
@@ -38,13 +39,7 @@ def _cdfs(report: Report, workload: str, path: Path) -> Path:
     for ax, name in zip(axes, ("TTFT (ms)", "TPOT (ms)"), strict=True):
         ax.set_xlabel(name)
         ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"{workload}: latency CDF at the lowest offered load")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, axes, f"{workload}: latency CDF at the lowest offered load", path)
 
 
 def _latencies(run: Run) -> tuple[list[float], list[float]]:
@@ -81,9 +76,16 @@ def _versus_rate(report: Report, workload: str, path: Path) -> Path:
         ax.axhline(limit * 1e3, color="grey", linestyle="--", linewidth=1, label="SLO")
         ax.set_xlabel("offered rate (req/s)")
         ax.set_ylabel(name)
+    return _save(fig, axes, f"{workload}: P95 latency against offered rate", path)
+
+
+def _save(fig: Any, axes: Any, title: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{workload}: P95 latency against offered rate")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
