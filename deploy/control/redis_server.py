@@ -271,15 +271,20 @@ def _is_our_server(pid: int, port: int) -> bool:
     return words[1:] == ["-"] or any(word.endswith(f":{port}") for word in words[1:])
 
 
-def _reap_if_zombie(pid: int) -> None:
+def _reap_if_zombie(pid: int) -> bool:
     """Collect the exit status if we are the parent (tests, or `up` before it exits);
-    otherwise init does it and this is a no-op."""
+    otherwise init does it. False only while the pid is our zombie and cannot be reaped yet:
+    a multi-threaded process shows Z as soon as its main thread exits, but waitpid sees it
+    only once every thread has."""
     state = _proc_state(pid)
     # comm is the executable's name cut to 15 characters.
     if state is None or state[1] != "Z" or not state[0].startswith(_SERVER_NAME):
-        return
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
+        return True
+    try:
+        reaped, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True  # not our child
+    return reaped == pid
 
 
 def _send(pid: int, sig: signal.Signals) -> None:
@@ -290,8 +295,8 @@ def _send(pid: int, sig: signal.Signals) -> None:
 def _wait_exited(pid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
-        _reap_if_zombie(pid)
-        if not _is_alive(pid):
+        # Exited means reaped too when we are the parent, or its /proc entry outlives the call.
+        if not _is_alive(pid) and _reap_if_zombie(pid):
             return True
         if time.monotonic() >= deadline:
             return False
