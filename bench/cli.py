@@ -17,6 +17,7 @@ from deploy.cli_ops import duration_arg
 
 if TYPE_CHECKING:
     from bench.report import Report
+    from bench.stats import SLO
     from deploy.config import AppConfig
 
 LOCAL_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "local.yaml"
@@ -86,15 +87,12 @@ def _add_judging_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from bench.stats import SLO
     from bench.suite import BenchPlan, run_benchmark
     from bench.workload import load_workload
     from deploy.config import AppConfig, load_app_config
     from engine.models import resolve_model
     from engine.prompts import load_tokenizer
 
-    if (args.slo_ttft is None) != (args.slo_tpot is None):
-        raise ValueError("give both --slo-ttft and --slo-tpot, or neither")
     if args.rate and args.concurrency:
         raise ValueError("give --rate or --concurrency, not both")
     arrivals = [Arrival("poisson", r) for r in args.rate or ()] + [
@@ -104,7 +102,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         workloads=[load_workload(w) for w in args.workload or ["chat"]],
         arrivals=arrivals or None,
         num_requests=args.num_requests,
-        slo=SLO(args.slo_ttft, args.slo_tpot) if args.slo_ttft is not None else None,
+        slo=_slo(args),
         dollars_per_hour=args.dollars_per_hour,
         attainment_target=args.attainment,
         num_warmup=args.warmup,
@@ -118,11 +116,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"bench/results/{time.strftime('%Y%m%d-%H%M%S')}")
     tokenizer = load_tokenizer(str(resolve_model(config.engine.model)))
     meta = {"command": " ".join(["pdserve", *sys.argv[1:]]), "model": config.engine.model}
-    report = run_benchmark(plan, _systems(args, config), tokenizer, out, meta)
+    report, paths = run_benchmark(plan, _systems(args, config), tokenizer, out, meta)
     from bench.compare import compare, format_comparisons
-    from bench.suite import write_report
 
-    for path in write_report(report, out):
+    for path in paths:
         print(f"wrote {path}")
     print(format_comparisons(compare(report)))
     return 0 if all(run.summary.num_completed for run in report.runs) else 1
@@ -147,14 +144,19 @@ def _running(target: Target) -> Iterator[Target]:
     yield target
 
 
-def _judged_report(args: argparse.Namespace) -> Report:
-    from bench.report import Report
+def _slo(args: argparse.Namespace) -> SLO | None:
+    """The SLO of --slo-ttft and --slo-tpot, which come together or not at all."""
     from bench.stats import SLO
 
     if (args.slo_ttft is None) != (args.slo_tpot is None):
         raise ValueError("give both --slo-ttft and --slo-tpot, or neither")
-    slo = SLO(args.slo_ttft, args.slo_tpot) if args.slo_ttft is not None else None
-    return Report.load(Path(args.report)).judged_by(slo, args.attainment)
+    return SLO(args.slo_ttft, args.slo_tpot) if args.slo_ttft is not None else None
+
+
+def _judged_report(args: argparse.Namespace) -> Report:
+    from bench.report import Report
+
+    return Report.load(Path(args.report)).judged_by(_slo(args), args.attainment)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

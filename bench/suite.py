@@ -81,9 +81,11 @@ def run_benchmark(
     tokenizer: Any,
     out_dir: Path,
     meta: dict[str, Any],
-) -> Report:
-    """Start each system, measure it, stop it; the report is saved after every system."""
+) -> tuple[Report, list[Path]]:
+    """Start each system, measure it, stop it; the report is saved after every system (so a
+    crash keeps what was measured). Returns the report and the files of the last save."""
     report = Report({**machine_facts(), **meta}, attainment_target=plan.attainment_target)
+    paths: list[Path] = []
     for start in systems:
         started = time.perf_counter()
         with start() as target:
@@ -92,8 +94,8 @@ def run_benchmark(
                 file=sys.stderr,
             )
             report.runs += asyncio.run(measure(target, plan, tokenizer))
-        write_report(report, out_dir)
-    return report
+        paths = write_report(report, out_dir)
+    return report, paths
 
 
 def write_report(report: Report, out_dir: Path) -> list[Path]:

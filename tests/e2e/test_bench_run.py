@@ -20,7 +20,7 @@ from bench.compare import compare
 from bench.record import RequestRecord
 from bench.report import Report
 from bench.runner import Arrival, run_load
-from bench.suite import BenchPlan, run_benchmark, write_report
+from bench.suite import BenchPlan, run_benchmark
 from bench.systems import start_system
 from bench.targets import GrpcTarget, HttpTarget, Target
 from bench.workload import Workload, build_requests
@@ -58,8 +58,7 @@ def test_short_run_produces_a_complete_report(
     ]
     plan = BenchPlan(workloads=[WORKLOAD], num_warmup=1, progress=False)
     tokenizer = load_tokenizer(str(tiny_model))
-    report = run_benchmark(plan, systems, tokenizer, tmp_path, {"model": "tiny"})
-    paths = write_report(report, tmp_path)
+    report, paths = run_benchmark(plan, systems, tokenizer, tmp_path, {"model": "tiny"})
 
     assert [(r.system, r.arrival.label) for r in report.runs] == [
         (system, load)
