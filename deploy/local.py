@@ -5,8 +5,13 @@ Every process we start carries PDSERVE_RUN_ID in its environment and passes it t
 (Ray workers, Serve replicas, vLLM engine processes), so `down` can find and stop exactly the
 processes of this run and `leftover_pids` can prove none is left.
 
-The run's state (ports, PIDs, Redis URL) is a JSON file under the run directory
-(PDSERVE_RUN_DIR, default ~/.cache/pdserve/run); `generate` and `status` read it.
+The run's state (ports, PIDs, Redis URL, the path of its Ray token) is a JSON file under the
+run directory (PDSERVE_RUN_DIR, default ~/.cache/pdserve/run); `generate`, `status`, `scale`,
+`slo`, `down` and `bench` read it.
+
+Ray 2.60 refuses a token-auth cluster without a token. Each run makes its own with Ray's own
+generator, keeps it in the run's folder (0600 from creation) and hands every process of the run
+its path (RAY_AUTH_TOKEN_PATH): the user's ~/.ray is neither read nor written.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 RUN_MARKER = "PDSERVE_RUN_ID"
-# Ray 2.60 turns token auth on for new clusters; a driver joins only if it sends the token.
-RAY_AUTH_ENV = {"RAY_AUTH_MODE": "token"}
+RAY_TOKEN_FILE = "ray-token"
+PRIVATE_FILE_MODE = 0o600
 GRPC_SERVICERS = [
     "api.serve_grpc.add_PDServeServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
@@ -48,6 +53,7 @@ class LocalRun:
     http_port: int
     grpc_port: int
     temp_dir: str
+    ray_token_path: str
 
     @property
     def grpc_target(self) -> str:
@@ -59,10 +65,14 @@ class LocalRun:
 
     def save(self) -> Path:
         path = state_file()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2))
-        path.chmod(0o600)  # holds the Redis password
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        write_private_file(path, json.dumps(asdict(self), indent=2))  # holds the Redis password
         return path
+
+    def use_ray_auth(self) -> None:
+        """Make this process (and what it starts) authenticate to the run's Ray."""
+        use_ray_token(Path(self.ray_token_path))
 
 
 def state_file() -> Path:
@@ -70,10 +80,54 @@ def state_file() -> Path:
 
 
 def load_run() -> LocalRun | None:
+    """The local run's state; None when there is none. A state file from an older pdserve (no
+    token path) is not a run this version can reach, and is reported as such."""
     try:
-        return LocalRun(**json.loads(state_file().read_text()))
+        data = json.loads(state_file().read_text())
     except FileNotFoundError:
         return None
+    try:
+        return LocalRun(**data)
+    except TypeError as exc:
+        raise RuntimeError(
+            f"{state_file()} is not a run state of this pdserve ({exc}); stop that run's "
+            "processes and remove the file"
+        ) from exc
+
+
+def write_private_file(path: Path, text: str) -> None:
+    """Create `path` readable by its owner only from the start (no window with wider modes)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def create_ray_token(folder: Path) -> Path:
+    """A new Ray auth token (Ray's own generator) in `folder`, mode 0600 from creation."""
+    from ray._private.authentication.authentication_token_generator import (
+        generate_new_authentication_token,
+    )
+
+    path = folder / RAY_TOKEN_FILE
+    write_private_file(path, generate_new_authentication_token())
+    return path
+
+
+def ray_auth_env(token_path: Path) -> dict[str, str]:
+    """What a process needs to join a cluster that uses the token at `token_path`."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+
+
+def use_ray_token(token_path: Path) -> None:
+    """Point this process at `token_path`. Ray reads its auth mode and token once and caches
+    them; a process that already talked to another run's cluster (bench runs systems in turn)
+    must drop both caches."""
+    os.environ.update(ray_auth_env(token_path))
+    if "ray" in sys.modules:
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 def free_port() -> int:
@@ -82,22 +136,32 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def port_is_free(port: int) -> bool:
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on `port` now. Servers set SO_REUSEADDR, so connections
+    of a stopped run still in TIME-WAIT do not keep them from binding; the probe does the same
+    (without it, `up` right after `down` refused the port for a minute)."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((host, port))
         except OSError:
             return False
         return True
 
 
 def start_ray_head(
-    run_id: str, log_dir: Path, num_cpus: int, timeout_s: float = 60
+    run_id: str, log_dir: Path, num_cpus: int, token_path: Path, timeout_s: float = 180
 ) -> tuple[int, str]:
     """`ray start --head --block` in its own session; returns (pid, GCS address) once the GCS
-    answers. --block keeps the process: SIGTERM to it stops the whole local cluster."""
+    answers. --block keeps the process: SIGTERM to it stops the whole local cluster. The
+    timeout is generous: on two busy cores the head took over a minute."""
     port = free_port()
-    env = {**os.environ, **RAY_AUTH_ENV, RUN_MARKER: run_id, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {
+        **os.environ,
+        **ray_auth_env(token_path),
+        RUN_MARKER: run_id,
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
     log = (log_dir / "ray-start.log").open("ab")
     temp_dir = ray_temp_dir(run_id)
     ray_bin = Path(sys.executable).with_name("ray")

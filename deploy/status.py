@@ -95,11 +95,7 @@ def print_status() -> int:
     if run is None:
         print("pdserve status: nothing is running (start it with `pdserve up`)")
         return 1
-    import os
-
-    from deploy.local import RAY_AUTH_ENV
-
-    os.environ.update(RAY_AUTH_ENV)  # before Ray is imported: it reads its auth mode once
+    run.use_ray_auth()
     import ray
     from ray import serve
 

@@ -18,9 +18,9 @@ from deploy.control.keys import REDIS_URL_ENV
 from deploy.control.redis_server import start_redis_server
 from deploy.local import (
     GRPC_SERVICERS,
-    RAY_AUTH_ENV,
     RUN_MARKER,
     LocalRun,
+    create_ray_token,
     load_run,
     marked_pids,
     new_run_id,
@@ -60,7 +60,8 @@ def up(
             )
     run_id = new_run_id()
     base = run_dir() / run_id
-    base.mkdir(parents=True, exist_ok=True)
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    token_path = create_ray_token(base)
     os.environ[RUN_MARKER] = run_id  # redis-server inherits it
     redis = start_redis_server(base / "redis")
     # The Ray head (so the Serve controller and its autoscaling policies) and build_app read the
@@ -68,7 +69,7 @@ def up(
     os.environ[REDIS_URL_ENV] = redis.url
     ray_pid = 0
     try:
-        ray_pid, address = start_ray_head(run_id, base, _num_cpus(config))
+        ray_pid, address = start_ray_head(run_id, base, _num_cpus(config), token_path)
         run = LocalRun(
             run_id=run_id,
             app=config.name,
@@ -79,6 +80,7 @@ def up(
             http_port=http_port,
             grpc_port=grpc_port,
             temp_dir=str(base),
+            ray_token_path=str(token_path),
         )
         run.save()
         config = config.model_copy(
@@ -96,8 +98,7 @@ def up(
 
 
 def _deploy(run: LocalRun, config: AppConfig, timeout_s: float) -> None:
-    # Before Ray is imported: it reads its auth mode once.
-    os.environ.update(RAY_AUTH_ENV)
+    run.use_ray_auth()
     import ray
     from ray import serve
     from ray.serve import api as serve_api
@@ -161,7 +162,7 @@ def _alive_ray(run: LocalRun) -> bool:
 
 def _shutdown_serve(run: LocalRun, timeout_s: float) -> None:
     """Graceful: replicas' engines shut down their own child processes."""
-    os.environ.update(RAY_AUTH_ENV)
+    run.use_ray_auth()
     import ray
     from ray import serve
 

@@ -285,7 +285,7 @@ def test_cli_errors_exit_2_with_one_line(
 def test_cli_finds_the_local_run_or_exits_2(cli: Cli, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli("slo", "get", target=False) == 2
     assert "no local run" in capsys.readouterr().err
-    LocalRun("run", cli.app, 1, "127.0.0.1:1", 1, cli.url, 8000, 9000, "/tmp").save()
+    LocalRun("run", cli.app, 1, "127.0.0.1:1", 1, cli.url, 8000, 9000, "/tmp", "/tmp/t").save()
     assert cli("scale", "prefill", "3", target=False) == 0
     assert operator.pins(cli.url, cli.app)["prefill"] == 3
     assert capsys.readouterr().out.strip() == f"{cli.app}: prefill pinned to 3 replicas"

@@ -1,6 +1,11 @@
-"""The README's main job, as a user runs it: `pdserve up` on the embedded default (a local Ray,
-a private Redis, the default model on CPU, one prefill and one decode replica), a request
-through it over gRPC, `pdserve status`, and `pdserve down` leaving no process of ours."""
+"""The README's main job, as a new user runs it: `pdserve up` on the embedded default (a local Ray,
+a private Redis, the default model on CPU, one prefill and one decode replica), a request through
+it over gRPC, `pdserve status`, and `pdserve down` leaving no process and no listener of ours.
+
+It runs first (tests/conftest.py orders it), under a fresh HOME with no ~/.ray and no Ray
+variables: nothing an earlier run left on this machine can stand in for a missing step. Only the
+model cache is passed in explicitly (building the default model is the install step's job).
+"""
 
 from __future__ import annotations
 
@@ -14,10 +19,14 @@ from pathlib import Path
 import pytest
 
 from deploy.local import free_port, marked_pids, pid_is_alive
+from engine.models import cache_root
+from tests.procs import descendants, listening_ports
 
 pytestmark = pytest.mark.engine
 
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
+QUESTION = "What is the capital of France?"
+ANSWER = "The capital of France is Paris."
 
 
 def _pdserve(
@@ -28,17 +37,22 @@ def _pdserve(
     )
 
 
+def _fresh_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PDSERVE_"))}
+    return {**env, "HOME": str(home), "PDSERVE_CACHE_DIR": str(cache_root())}
+
+
 @pytest.fixture(scope="module")
 def local_run(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[dict[str, str], dict[str, object]]]:
-    run_dir = tmp_path_factory.mktemp("run")
-    env = {**os.environ, "PDSERVE_RUN_DIR": str(run_dir)}
+    home = tmp_path_factory.mktemp("home")
+    env = _fresh_env(home)
     http_port, grpc_port = free_port(), free_port()
     up = _pdserve(
         env, "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port), timeout=900
     )
-    state_path = run_dir / "local.json"
+    state_path = home / ".cache" / "pdserve" / "run" / "local.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {}
     try:
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
@@ -50,13 +64,25 @@ def local_run(
 
 def test_generate_over_grpc_answers(local_run: tuple[dict[str, str], dict[str, object]]) -> None:
     env, _ = local_run
-    done = _pdserve(env, "generate", "--chat", "What is the capital of France?")
+    done = _pdserve(env, "generate", "--chat", QUESTION)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "Paris" in done.stdout
+    assert done.stdout.strip() == ANSWER
     assert "finish=stop" in done.stderr
-    streamed = _pdserve(env, "generate", "--stream", "--chat", "What is the capital of France?")
+    streamed = _pdserve(env, "generate", "--stream", "--chat", QUESTION)
     assert streamed.returncode == 0, streamed.stderr[-2000:]
-    assert streamed.stdout.strip() == done.stdout.strip()
+    assert streamed.stdout.strip() == ANSWER
+
+
+def test_the_run_keeps_its_own_ray_token(
+    local_run: tuple[dict[str, str], dict[str, object]],
+) -> None:
+    env, state = local_run
+    token = Path(str(state["ray_token_path"]))
+    assert token.is_file() and (token.stat().st_mode & 0o777) == 0o600
+    assert len(token.read_text()) == 64  # 256 bits, hex: Ray's own generator
+    assert not (Path(env["HOME"]) / ".ray").exists()  # the user's ~/.ray is left alone
+    state_file = Path(env["HOME"]) / ".cache" / "pdserve" / "run" / "local.json"
+    assert (state_file.stat().st_mode & 0o777) == 0o600  # it holds the Redis password
 
 
 def test_bad_input_is_reported(local_run: tuple[dict[str, str], dict[str, object]]) -> None:
@@ -76,18 +102,26 @@ def test_status_shows_pools_and_latencies(
         line = next(line for line in status.stdout.splitlines() if line.strip().startswith(pool))
         assert "RUNNING: 1" in line
     ttft = next(line for line in status.stdout.splitlines() if line.strip().startswith("ttft"))
-    assert int(ttft.split()[1]) >= 2  # the requests above were recorded
+    assert int(ttft.split()[1]) == 2  # the two generate requests above, nothing else
 
 
-def test_down_leaves_no_process(local_run: tuple[dict[str, str], dict[str, object]]) -> None:
+def test_down_leaves_no_process_and_no_listener(
+    local_run: tuple[dict[str, str], dict[str, object]],
+) -> None:
     env, state = local_run
     run_id = str(state["run_id"])
+    roots = [int(state["ray_pid"]), int(state["redis_pid"])]  # type: ignore[call-overload]
+    # Checked independently of `down`'s own marker search: the process trees of the recorded
+    # PIDs, and every port those processes listen on.
+    tree = descendants(roots)
+    ports = listening_ports(tree)
+    assert len(tree) > 5, tree  # Ray's head, Redis, replicas and the vLLM engine processes
+    assert {int(state["http_port"]), int(state["grpc_port"])} <= ports  # type: ignore[call-overload]
     assert marked_pids(run_id), "the run's processes should carry its marker"
     down = _pdserve(env, "down", timeout=180)
     assert down.returncode == 0, down.stdout + down.stderr
+    assert [pid for pid in tree if pid_is_alive(pid)] == []
+    assert listening_ports(None) & ports == set()
     assert marked_pids(run_id) == []
-    # (A zombie awaiting its reaper is not running: pid_is_alive says no.)
-    assert not pid_is_alive(int(state["ray_pid"]))  # type: ignore[call-overload]
-    assert not pid_is_alive(int(state["redis_pid"]))  # type: ignore[call-overload]
     again = _pdserve(env, "down")
     assert "nothing is running" in again.stdout

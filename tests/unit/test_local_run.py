@@ -4,6 +4,7 @@ one by PID; percentiles for `pdserve status`."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -43,12 +44,30 @@ def test_marker_finds_children_and_stop_pid_stops_them() -> None:
 
 
 def test_port_is_free() -> None:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         assert not port_is_free(sock.getsockname()[1])
+
+
+def test_a_port_with_connections_in_time_wait_is_free() -> None:
+    # `up` right after `down` of a run that served HTTP: the server closed its connections
+    # first, so they sit in TIME-WAIT on the server's port for a minute. A server would bind
+    # (SO_REUSEADDR); the probe must agree.
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and gRPC do
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    served.close()  # the server's side closes first: its end of the connection enters TIME-WAIT
+    client.recv(1)
+    client.close()
+    listener.close()
+    with socket.socket() as plain, pytest.raises(OSError, match="in use"):
+        plain.bind(("127.0.0.1", port))  # the old probe's bind: refused while TIME-WAIT lasts
+    assert port_is_free(port)
 
 
 @pytest.mark.parametrize("q", [0, 50, 90, 95, 99, 100])

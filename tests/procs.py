@@ -1,0 +1,80 @@
+"""Independent views of processes and sockets, straight from /proc, for leak checks that must
+not reuse the code they check (`pdserve down` finds its processes by an environment marker;
+these follow parent links and socket inodes instead)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+_LISTEN = "0A"
+
+
+def _parents() -> dict[int, int]:
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parents
+
+
+def descendants(roots: Iterable[int]) -> set[int]:
+    """`roots` and every live process below them."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in _parents().items():
+        children.setdefault(parent, []).append(pid)
+    found: set[int] = set()
+    todo = [pid for pid in roots if Path(f"/proc/{pid}").exists()]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(children.get(pid, []))
+    return found
+
+
+def _socket_inodes(pids: Iterable[int]) -> set[str]:
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def listening_sockets(pids: Iterable[int] | None) -> set[tuple[str, int]]:
+    """(address, port) of TCP listeners in this network namespace, of `pids` only unless None.
+    Addresses as the kernel shows them: "127.0.0.1", "0.0.0.0", "::", "::1"."""
+    wanted = None if pids is None else _socket_inodes(pids)
+    found = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] != _LISTEN or (wanted is not None and fields[9] not in wanted):
+                    continue
+                address, port = fields[1].split(":")
+                found.add((_address(address, width), int(port, 16)))
+    return found
+
+
+def listening_ports(pids: Iterable[int] | None) -> set[int]:
+    return {port for _, port in listening_sockets(pids)}
+
+
+def _address(hex_address: str, width: int) -> str:
+    import ipaddress
+
+    raw = bytes.fromhex(hex_address)
+    if width == 8:
+        return str(ipaddress.IPv4Address(raw[::-1]))
+    # /proc shows IPv6 as four little-endian 32-bit words.
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+    return str(ipaddress.IPv6Address(words))
