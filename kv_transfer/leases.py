@@ -4,6 +4,11 @@ The `KVLeaseRegistry` Ray actor (ray_lease.py) is a thin shell around one `Lease
 Ownership: whoever registers a key hands its payload to the table; `take` lends it (the entry
 stays until `release` or expiry, so a consumer that dies mid-load leaks nothing past the lease);
 `release` and expiry drop it, which is what lets the stored objects be freed.
+
+A release can overtake its registration: vLLM schedules the next step while the worker still
+runs the last one, so a request aborted just after its save was scheduled is released by the
+scheduler before the worker has registered the save. The release leaves a tombstone, and the
+late registration drops its payload at once instead of holding it for a whole lease.
 """
 
 from __future__ import annotations
@@ -22,16 +27,29 @@ class Lease(Generic[T]):
     expires_at: float
 
 
+# How long a release of an unknown key waits for a late registration. Keys are unique per save,
+# so a tombstone only ever meets the one registration it was meant for.
+TOMBSTONE_SECONDS = 600.0
+
+
 class LeaseTable(Generic[T]):
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.time, tombstone_seconds: float = TOMBSTONE_SECONDS
+    ) -> None:
         self._clock = clock
+        self._tombstone_seconds = tombstone_seconds
         self._leases: dict[str, Lease[T]] = {}
+        self._tombstones: dict[str, float] = {}  # key -> until when a registration is refused
 
     def register(self, key: str, payload: T, lease_seconds: float) -> float:
-        """Store `payload` under `key` (replacing any earlier one); returns the expiry time."""
+        """Store `payload` under `key` (replacing any earlier one); returns the expiry time. A
+        key released before it was registered is not stored (returns the current time)."""
         if lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be positive, got {lease_seconds}")
-        expires_at = self._clock() + lease_seconds
+        now = self._clock()
+        if self._tombstones.pop(key, 0.0) > now:
+            return now
+        expires_at = now + lease_seconds
         self._leases[key] = Lease(payload, expires_at)
         return expires_at
 
@@ -46,8 +64,12 @@ class LeaseTable(Generic[T]):
         return lease
 
     def release(self, key: str) -> bool:
-        """Drop `key`; False when it was unknown (already released or expired)."""
-        return self._leases.pop(key, None) is not None
+        """Drop `key`; False when it was unknown (already released, expired, or not yet
+        registered: then its registration, if it comes, is refused)."""
+        if self._leases.pop(key, None) is not None:
+            return True
+        self._tombstones[key] = self._clock() + self._tombstone_seconds
+        return False
 
     def release_many(self, keys: Iterable[str]) -> int:
         return sum(self.release(key) for key in keys)
@@ -57,7 +79,13 @@ class LeaseTable(Generic[T]):
         expired = [key for key, lease in self._leases.items() if lease.expires_at <= now]
         for key in expired:
             del self._leases[key]
+        for key in [k for k, until in self._tombstones.items() if until <= now]:
+            del self._tombstones[key]
         return expired
+
+    @property
+    def num_tombstones(self) -> int:
+        return len(self._tombstones)
 
     def num_live(self) -> int:
         self.sweep_expired()

@@ -69,3 +69,21 @@ def test_lease_must_be_positive() -> None:
     table, _ = make_table()
     with pytest.raises(ValueError):
         table.register("k", "v", lease_seconds=0)
+
+
+def test_release_before_registration_refuses_the_late_registration() -> None:
+    # The ray-tiny leak: a request aborted right after its save was scheduled is released by
+    # vLLM's scheduler while its worker is still registering the save (async scheduling).
+    table, clock = make_table()
+    assert table.release("late") is False
+    assert table.register("late", "kv", lease_seconds=60) == clock.now
+    assert table.num_live() == 0 and table.take("late") is None
+    assert table.num_tombstones == 0  # the tombstone was used up
+    # Other keys are unaffected, and a tombstone that met no registration is swept.
+    table.register("other", "kv", lease_seconds=60)
+    assert table.num_live() == 1
+    table.release("never-registered")
+    clock.now += 601
+    table.sweep_expired()
+    assert table.num_tombstones == 0
+    assert table.register("never-registered", "kv", lease_seconds=60) > clock.now
