@@ -55,11 +55,21 @@ class DecodeWorker(KVEndpoint):
             kv_transfer_params=self.backend.consumer_request_params(handoff.pull),
         )
         num_seen = 0
+        load_recorded = False
         async for output in self.engine.generate(
             {"prompt_token_ids": list(request.prompt_token_ids)}, sampling, request.request_id
         ):
             completion = output.outputs[0]
             new_ids = [int(t) for t in completion.token_ids[num_seen:]]
+            if not load_recorded:
+                # The first output settles the load: vLLM counts the prompt tokens it did not
+                # compute (loaded from the producer, or prefix-cached here).
+                self.stats.record_kv_load(
+                    request.num_prompt_tokens,
+                    int(output.num_cached_tokens or 0),
+                    failed=completion.finish_reason == "error",
+                )
+                load_recorded = True
             if num_seen == 0 and new_ids:
                 if new_ids[0] != handoff.first_token:
                     await self.engine.abort(request.request_id)

@@ -29,9 +29,12 @@ def engine_settings(config: AppConfig, pool: PoolName) -> EngineSettings:
     )
 
 
-def transfer_settings(config: AppConfig, ray_address: str | None = None) -> TransferSettings:
+def transfer_settings(
+    config: AppConfig, ray_address: str | None = None, node_ip: str = "127.0.0.1"
+) -> TransferSettings:
     transfer = config.kv_transfer
     return TransferSettings(
+        node_ip=node_ip,
         backend=transfer.backend,
         failure_policy=transfer.failure_policy,
         lease_seconds=transfer.lease_seconds,
@@ -42,14 +45,16 @@ def transfer_settings(config: AppConfig, ray_address: str | None = None) -> Tran
 
 
 def served_transfer_settings(config: AppConfig) -> TransferSettings:
-    """TransferSettings inside a Serve replica: the `ray` backend's engine processes join this
-    cluster, and the app's lease registry is started (detached) by whichever replica comes first."""
-    if config.kv_transfer.backend != "ray":
-        return transfer_settings(config)
+    """TransferSettings inside a Serve replica: the engine announces (nixl) and joins Ray from
+    (ray) its node's address; the `ray` backend's engine processes join this cluster, and the
+    app's lease registry is started (detached) by whichever replica comes first."""
     import ray
 
+    node_ip = ray.util.get_node_ip_address()
+    if config.kv_transfer.backend != "ray":
+        return transfer_settings(config, node_ip=node_ip)
     from kv_transfer.ray_lease import start_lease_registry
 
-    settings = transfer_settings(config, ray.get_runtime_context().gcs_address)
+    settings = transfer_settings(config, ray.get_runtime_context().gcs_address, node_ip)
     start_lease_registry(settings.lease_registry, settings.ray_namespace, detached=True)
     return settings

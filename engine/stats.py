@@ -23,6 +23,30 @@ class TransferSample:
 
 
 @dataclass(frozen=True)
+class KVLoadCounts:
+    """What a consumer engine's loads came to. A load fails when the engine computed more of the
+    prompt than its last token (which vLLM always recomputes to get logits): the KV did not
+    arrive, whatever the connector said, and the engine recomputed or refused the prompt."""
+
+    num_loads: int = 0
+    num_failures: int = 0
+    num_recomputed_tokens: int = 0
+
+    def minus(self, earlier: KVLoadCounts) -> KVLoadCounts:
+        return KVLoadCounts(
+            self.num_loads - earlier.num_loads,
+            self.num_failures - earlier.num_failures,
+            self.num_recomputed_tokens - earlier.num_recomputed_tokens,
+        )
+
+
+def num_recomputed_tokens(num_prompt_tokens: int, num_cached_tokens: int) -> int:
+    """Prompt tokens a consumer computed itself beyond the last one. `num_cached_tokens` is
+    vLLM's per-request count of prompt tokens it did not compute (loaded or prefix-cached)."""
+    return max(0, num_prompt_tokens - 1 - num_cached_tokens)
+
+
+@dataclass(frozen=True)
 class SchedulerSnapshot:
     num_running: int = 0
     num_waiting: int = 0
@@ -35,6 +59,7 @@ class EngineStatsRecorder:
         self.latest = SchedulerSnapshot()
         self.transfers: deque[TransferSample] = deque(maxlen=MAX_TRANSFERS_KEPT)
         self.num_failed_transfers = 0
+        self.kv_loads = KVLoadCounts()
 
     def observe(self, scheduler_stats: Any) -> None:
         if scheduler_stats is None:
@@ -52,6 +77,16 @@ class EngineStatsRecorder:
             for seconds, num_bytes in zip(durations, sizes, strict=False):
                 self.transfers.append(TransferSample(float(seconds), int(num_bytes)))
             self.num_failed_transfers += len(connector.get("num_failed_transfers", []))
+
+    def record_kv_load(self, num_prompt_tokens: int, num_cached_tokens: int, failed: bool) -> None:
+        """One consumer request's load: `failed` when the engine refused it (policy "fail")."""
+        recomputed = num_recomputed_tokens(num_prompt_tokens, num_cached_tokens)
+        with self._lock:
+            self.kv_loads = KVLoadCounts(
+                self.kv_loads.num_loads + 1,
+                self.kv_loads.num_failures + int(failed or recomputed > 0),
+                self.kv_loads.num_recomputed_tokens + recomputed,
+            )
 
     def take_transfers(self) -> list[TransferSample]:
         with self._lock:

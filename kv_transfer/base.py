@@ -43,6 +43,11 @@ class TransferSettings:
     lease_registry: str = "pdserve-kv-leases"
     # NIXL backend: side-channel port of each engine's handshake listener; 0 picks a free one.
     nixl_port: int = 0
+    # This engine's host address as its peers reach it: NIXL's side channel listens and is
+    # announced there, and the ray backend's engine processes join Ray from it. Inside Ray it
+    # is the node's IP; 127.0.0.1 serves one host only ("localhost" on another host is that
+    # host's own loopback).
+    node_ip: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.failure_policy not in ("recompute", "fail"):

@@ -39,12 +39,16 @@ class NixlBackend(KVBackend):
         return pull.to_consumer_params(flat_blocks=False)
 
     def process_env(self) -> dict[str, str]:
-        # Every engine listens for handshakes; two on one host need two ports.
-        port = self.settings.nixl_port or free_port()
-        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+        # Every engine listens for handshakes; two on one host need two ports. The producer
+        # announces VLLM_NIXL_SIDE_CHANNEL_HOST in its handoff: vLLM's default, "localhost",
+        # sent a decode engine on another host to its own loopback (handshake timeout, then a
+        # silent recompute of the whole prompt).
+        host = self.settings.node_ip
+        port = self.settings.nixl_port or free_port(host)
+        return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
 
 
-def free_port() -> int:
+def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])

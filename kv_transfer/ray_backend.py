@@ -24,6 +24,7 @@ class RayBackend(KVBackend):
         return {
             "ray_address": self.settings.ray_address,
             "ray_namespace": self.settings.ray_namespace,
+            "node_ip": self.settings.node_ip,
             "lease_registry": self.settings.lease_registry,
             "lease_seconds": self.settings.lease_seconds,
         }

@@ -5,10 +5,13 @@ engines (AsyncLLM) run the connector in vLLM's child processes, where Ray is not
 RAY_ADDRESS is unset; a bare `ray.put` there would silently start a private cluster whose
 objects nobody else can read. So a child joins the cluster by its GCS address, never starts one.
 
-Token auth (Ray 2.60 default): `ray.init(address=...)` turns token mode on by itself when it
-finds a token: RAY_AUTH_TOKEN, the file named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token. The
-process that started a local cluster exported RAY_AUTH_MODE=token and wrote that file, and vLLM's
-children inherit the environment and home, so they authenticate with no further setup.
+Token auth (Ray 2.60 default): `ray.init(address=...)` authenticates with RAY_AUTH_TOKEN, the
+file named by RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token. pdserve's runs hand every process
+RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH, and vLLM's children inherit the environment, so
+they authenticate with no further setup.
+
+A child joins from its node's address (`node_ip`): on a host whose default route does not lead
+to the head, Ray's own guess of the node address finds no raylet there and the join fails.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ logger = logging.getLogger(__name__)
 _joined_in_pid: int | None = None
 
 
-def join_ray(address: str | None, namespace: str | None) -> None:
-    """Make Ray usable in this process: reuse a live connection or join `address`."""
+def join_ray(address: str | None, namespace: str | None, node_ip: str | None = None) -> None:
+    """Make Ray usable in this process: reuse a live connection or join `address` from the
+    node at `node_ip` (None: Ray's guess)."""
     global _joined_in_pid
     if ray.is_initialized():
         if multiprocessing.parent_process() is not None and _joined_in_pid != os.getpid():
@@ -54,6 +58,7 @@ def join_ray(address: str | None, namespace: str | None) -> None:
             namespace=namespace,
             logging_level=logging.WARNING,
             log_to_driver=False,
+            **({"_node_ip_address": node_ip} if node_ip else {}),
         )
     except ray.exceptions.AuthenticationError as exc:
         raise RuntimeError(

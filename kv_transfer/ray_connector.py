@@ -67,7 +67,7 @@ class RayKVConnector(KVConnectorBase_V1):
         if not transfer.engine_id:
             raise ValueError("RayKVConnector needs KVTransferConfig.engine_id")
         settings = RayKVSettings.from_extra_config(transfer.kv_connector_extra_config)
-        join_ray(settings.ray_address, settings.ray_namespace)
+        join_ray(settings.ray_address, settings.ray_namespace, settings.node_ip)
         registry = get_lease_registry(settings.lease_registry, settings.ray_namespace)
         self._block_size: int = vllm_config.cache_config.block_size
         self._scheduler: RayKVScheduler | None = None

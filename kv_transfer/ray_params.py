@@ -34,6 +34,8 @@ class RayKVSettings:
     lease_registry: str
     ray_address: str | None = None
     ray_namespace: str | None = None
+    # The host address this engine's processes join Ray from (the node's IP).
+    node_ip: str | None = None
     lease_seconds: float = 60.0
     # Longest wait for one registry call or one layer's object before the load counts as failed.
     fetch_timeout_s: float = 30.0
@@ -51,6 +53,7 @@ class RayKVSettings:
             lease_registry=name,
             ray_address=extra.get("ray_address") or None,
             ray_namespace=extra.get("ray_namespace") or None,
+            node_ip=extra.get("node_ip") or None,
             lease_seconds=float(extra.get("lease_seconds", cls.lease_seconds)),
             fetch_timeout_s=float(extra.get("fetch_timeout_s", cls.fetch_timeout_s)),
         )

@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.hosts import HostCluster, Hosts
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -57,31 +61,77 @@ def default_reference(default_model: Path) -> object:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[object]:
-    """Two Ray nodes on this machine, each with its own raylet and object store (resources
-    `node_a`, `node_b` place actors), joined by this process. Shared by every Ray test."""
-    import ray
-    from ray.cluster_utils import Cluster
+def hosts() -> Iterator[Hosts]:
+    """Three hosts on this machine (a: this namespace; b, c: network namespaces), removed at
+    the end even when tests fail. Where they cannot be made, every test using them fails and
+    says why: the multi-host tests are never skipped."""
+    from tests.hosts import HostsUnavailable, make_hosts
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "resources": {"node_a": 1}, "include_dashboard": False},
-    )
-    cluster.add_node(num_cpus=2, resources={"node_b": 1})
-    ray.init(address=cluster.address, namespace="pdserve-tests", logging_level="WARNING")
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    try:
+        made = make_hosts()
+    except HostsUnavailable as exc:
+        pytest.fail(f"cannot build the test hosts: {exc}")
+    yield made
+    made.remove()
 
 
 @pytest.fixture(scope="session")
-def transfer_settings(ray_cluster: object) -> Iterator[dict[str, object]]:
-    """TransferSettings per backend name; the ray backend joins the session's Ray cluster."""
+def ray_cluster(hosts: Hosts) -> Iterator[HostCluster]:
+    """A Ray cluster with one node per host (resources `host_a`, `host_b`, `host_c` place
+    actors and replicas), joined by this process from host a. Shared by every Ray test, with
+    its own token: nothing is read from or written to ~/.ray."""
+    import ray
+
+    from deploy.local import use_ray_token
+    from tests.hosts import start_host_cluster, wait_nodes
+
+    cluster = start_host_cluster(hosts)
+    try:
+        use_ray_token(cluster.token_path)
+        ray.init(
+            address=cluster.address,
+            _node_ip_address=hosts.ip("a"),
+            namespace="pdserve-tests",
+            logging_level="WARNING",
+        )
+        wait_nodes(len(hosts.names))
+        yield cluster
+        ray.shutdown()
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def transfer_settings(ray_cluster: HostCluster) -> Iterator[dict[str, object]]:
+    """TransferSettings per backend name for engines in this process (host a); the ray backend
+    joins the session's Ray cluster. An engine on another host replaces `node_ip` by its own."""
     from kv_transfer.base import TransferSettings
     from kv_transfer.ray_lease import start_lease_registry
 
-    ray_settings = TransferSettings(backend="ray", ray_address=ray_cluster.address)  # type: ignore[attr-defined]
+    here = ray_cluster.head_ip
+    ray_settings = TransferSettings(backend="ray", ray_address=ray_cluster.address, node_ip=here)
     # Held for the session: Ray collects a named actor once no handle to it is left.
     registry = start_lease_registry(ray_settings.lease_registry, ray_settings.ray_namespace)
-    yield {"nixl": TransferSettings(backend="nixl"), "ray": ray_settings}
+    yield {"nixl": TransferSettings(backend="nixl", node_ip=here), "ray": ray_settings}
     del registry
+
+
+# Fixtures that start a vLLM engine (directly or through a Serve app): a test using one must
+# carry the `engine` marker, so `pytest -m "not engine"` stays the fast loop.
+ENGINE_FIXTURES = frozenset({"tiny_engine", "default_engine", "pd_case", "serve_apps"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [
+        item.nodeid
+        for item in items
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))
+        and item.get_closest_marker("engine") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "tests that start an engine need @pytest.mark.engine: " + ", ".join(unmarked)
+        )
+    # The README's quick start first, under a fresh HOME, before any other test has left state
+    # (a Ray token, a model cache) on this machine that could hide a missing step.
+    items.sort(key=lambda item: 0 if item.nodeid.startswith("tests/readme/") else 1)

@@ -15,6 +15,8 @@ from prefill_workers.worker import PrefillWorker
 from tests.builders import make_greedy, prompt_of_length
 from tests.pd import make_request, run_pd, wait_idle
 
+pytestmark = pytest.mark.engine
+
 BLOCK = 32
 PROMPT_LENGTHS = [1, 10, 2 * BLOCK, 2 * BLOCK + 1, 1500]
 Pair = tuple[PrefillWorker, DecodeWorker]

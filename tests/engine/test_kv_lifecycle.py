@@ -18,6 +18,8 @@ from router.lifecycle import generate_disaggregated
 from tests.builders import make_greedy, make_settings
 from tests.pd import make_request, run_pd, wait_idle
 
+pytestmark = pytest.mark.engine
+
 Pair = tuple[PrefillWorker, DecodeWorker]
 
 

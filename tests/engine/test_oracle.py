@@ -8,6 +8,8 @@ from engine.local import LocalEngine
 from engine.reference import ReferenceModel
 from tests.builders import long_text, make_greedy
 
+pytestmark = pytest.mark.engine
+
 DEFAULT_PROMPTS = [
     ("The three primary colors are", False),
     ("def fibonacci(n):", False),
