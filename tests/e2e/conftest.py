@@ -89,7 +89,7 @@ class ServedApp:
 def _app_configs(redis_url: str) -> dict[str, AppConfig]:
     def pools(**router: object) -> dict[str, object]:
         return {
-            "engine": {"model": "tiny", "device": "cpu", "kv_cache_memory_bytes": 64 * 1024**2},
+            "engine": {"model": "tiny", "kv_cache_memory_bytes": 64 * 1024**2},
             "prefill": {"cpu_cores": [0], "num_cpus": 0.5},
             "decode": {"cpu_cores": [1], "num_cpus": 0.5},
             "colocated": {"cpu_cores": [0], "num_cpus": 0.5},

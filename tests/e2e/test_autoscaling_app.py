@@ -39,7 +39,7 @@ def autoscale_app(serve_proxy: ServeProxy, redis_server: RedisServer) -> Iterato
     config = AppConfig.model_validate(
         {
             "name": APP,
-            "engine": {"model": "tiny", "device": "cpu", "kv_cache_memory_bytes": 64 * 1024**2},
+            "engine": {"model": "tiny", "kv_cache_memory_bytes": 64 * 1024**2},
             "prefill": {"cpu_cores": [0], "num_cpus": 0.5, "min_replicas": 1, "max_replicas": 2},
             "decode": {"cpu_cores": [1], "num_cpus": 0.5, "min_replicas": 1, "max_replicas": 2},
             "control": {"redis_url": redis_server.url},
