@@ -18,10 +18,10 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from autoscaling.serve_policy import autoscaling_config_for
+from control.keys import REDIS_URL_ENV
 from decode_workers.deployment import DecodeServer
-from deploy.autoscaling.serve_policy import autoscaling_config_for
 from deploy.config import AppConfig, PoolName
-from deploy.control.keys import REDIS_URL_ENV
 from engine.colocated import ColocatedServer
 from kv_transfer.base import make_backend
 from prefill_workers.deployment import PrefillServer

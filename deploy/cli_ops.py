@@ -1,6 +1,6 @@
 """`pdserve slo` and `pdserve scale`: change a running app's SLO, pins and bounds in Redis.
 
-The Serve autoscaling policies read them within about a second (deploy/autoscaling/
+The Serve autoscaling policies read them within about a second (autoscaling/
 serve_policy.py), so no redeploy is needed. The app and its Redis come from the local run
 (`pdserve up`), or from --redis-url (or PDSERVE_REDIS_URL) and --app on a cluster.
 
@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import redis
 
-from deploy.autoscaling import operator
-from deploy.control.keys import POOLS, REDIS_URL_ENV
+from autoscaling import operator
+from control.keys import POOLS, REDIS_URL_ENV
 
 
 class Target(NamedTuple):

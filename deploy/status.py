@@ -6,10 +6,10 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from deploy.autoscaling import operator
-from deploy.autoscaling.config import PoolSLO
-from deploy.control.keys import POOLS
-from deploy.control.records import DecisionRecord, ReplicaStatus
+from autoscaling import operator
+from autoscaling.config import PoolSLO
+from control.keys import POOLS
+from control.records import DecisionRecord, ReplicaStatus
 from deploy.local import LocalRun, load_run
 
 PERCENTILES = (50.0, 95.0, 99.0)
@@ -39,7 +39,7 @@ def format_latencies(samples: dict[str, list[float]]) -> list[str]:
 
 async def _from_redis(run: LocalRun) -> tuple[dict[str, list[float]], list[ReplicaStatus]]:
     """Latency samples the router recorded, and the replicas' last published load."""
-    from deploy.control.store import ControlStore
+    from control.store import ControlStore
 
     store = await ControlStore.connect(run.redis_url, run.app)
     try:

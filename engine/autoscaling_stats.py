@@ -14,7 +14,7 @@ Calls, per replica:
 
 Every `request_started` must end in exactly one `request_finished` or `request_aborted`, or its
 tokens stay pending forever and the pool looks overloaded. Reports use the keys of
-`deploy/autoscaling/serve_metrics.py`; a latency key holds the configured percentile (named
+`autoscaling/serve_metrics.py`; a latency key holds the configured percentile (named
 `_p95_s` whatever it is) or -1.0 when the window holds no sample. Not thread-safe: a Serve
 replica calls it from its one event loop.
 """
@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, TypeVar
 
-from deploy.autoscaling.serve_metrics import (
+from autoscaling.serve_metrics import (
     BUSY_FRACTION,
     KV_CACHE_USAGE,
     NO_SAMPLE,
@@ -40,8 +40,8 @@ from deploy.autoscaling.serve_metrics import (
     TPOT_P95_S,
     TTFT_P95_S,
 )
-from deploy.autoscaling.signals import TimedSample
-from deploy.autoscaling.signals import percentile as percentile_of
+from autoscaling.signals import TimedSample
+from autoscaling.signals import percentile as percentile_of
 
 Clock = Callable[[], float]
 T = TypeVar("T")

@@ -74,7 +74,7 @@ class ReplicaShell:
         if redis_url:
             import redis.asyncio
 
-            from deploy.control.store import ControlStore
+            from control.store import ControlStore
 
             self._store = ControlStore(redis.asyncio.Redis.from_url(redis_url), app)
 
@@ -90,7 +90,7 @@ class ReplicaShell:
         return snapshot
 
     async def _publish(self, snapshot: dict[str, Any]) -> None:
-        from deploy.control.records import ReplicaStatus
+        from control.records import ReplicaStatus
 
         try:
             await self._store.put_replica_status(

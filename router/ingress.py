@@ -81,7 +81,7 @@ class Router:
         if config.control.redis_url:
             import redis.asyncio
 
-            from deploy.control.store import ControlStore
+            from control.store import ControlStore
 
             self.store = ControlStore(
                 redis.asyncio.Redis.from_url(config.control.redis_url), config.name

@@ -78,7 +78,7 @@ class PrefillRequestRouter(RequestRouter):
         if redis_url:
             import redis.asyncio
 
-            from deploy.control.store import ControlStore
+            from control.store import ControlStore
 
             self._store = ControlStore(redis.asyncio.Redis.from_url(redis_url), app_name)
 

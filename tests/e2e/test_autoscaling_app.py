@@ -16,10 +16,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from api.client import AsyncPDServeClient
-from deploy.autoscaling import operator
+from autoscaling import operator
+from control.records import DecisionRecord
+from control.redis_server import RedisServer
 from deploy.config import AppConfig
-from deploy.control.records import DecisionRecord
-from deploy.control.redis_server import RedisServer
 from tests.e2e.conftest import ServedApp, ServeProxy
 
 pytestmark = pytest.mark.engine

@@ -17,15 +17,15 @@ from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from deploy.autoscaling import operator
-from deploy.autoscaling.config import PoolSLO
-from deploy.autoscaling.serve_policy import (
+from autoscaling import operator
+from autoscaling.config import PoolSLO
+from autoscaling.serve_policy import (
     DecodeAutoscaler,
     PrefillAutoscaler,
     autoscaling_config_for,
 )
+from control.redis_server import RedisServer
 from deploy.cli_ops import add_operator_commands
-from deploy.control.redis_server import RedisServer
 from deploy.local import LocalRun, free_port
 
 # Within the 5 s TTFT SLO but not calm enough to scale down (busy 2 x 0.5 on 1 replica).

@@ -11,10 +11,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from deploy.autoscaling.config import PoolSLO, ReplicaBounds
-from deploy.control.records import DecisionRecord, ReplicaStatus
-from deploy.control.redis_server import RedisServer, start_redis_server
-from deploy.control.store import ControlStore
+from autoscaling.config import PoolSLO, ReplicaBounds
+from control.records import DecisionRecord, ReplicaStatus
+from control.redis_server import RedisServer, start_redis_server
+from control.store import ControlStore
 from router.prefix import MatchResult, block_hashes
 
 

@@ -9,8 +9,8 @@ import urllib.request
 import pytest
 
 from api.client import collect
-from deploy.control.redis_server import RedisServer
-from deploy.control.store import ControlStore
+from control.redis_server import RedisServer
+from control.store import ControlStore
 from engine.local import LocalEngine
 from router.prefix import block_hashes
 from tests.e2e.conftest import ServedApp

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deploy.autoscaling.config import AutoscalingConfig, PoolSLO, ReplicaBounds
-from deploy.autoscaling.history import ScalingHistory
-from deploy.autoscaling.policy import Decision, decide_decode, decide_prefill
-from deploy.autoscaling.signals import (
+from autoscaling.config import AutoscalingConfig, PoolSLO, ReplicaBounds
+from autoscaling.history import ScalingHistory
+from autoscaling.policy import Decision, decide_decode, decide_prefill
+from autoscaling.signals import (
     DecodeReplicaReport,
     DecodeSignals,
     PrefillReplicaReport,

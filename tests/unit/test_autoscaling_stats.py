@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from deploy.autoscaling.config import PoolSLO, ReplicaBounds
-from deploy.autoscaling.history import ScaleEvent, ScalingHistory
-from deploy.autoscaling.operator import ControlReader, ControlSettings, parse_duration
-from deploy.autoscaling.policy import decide_prefill
-from deploy.autoscaling.serve_metrics import (
+from autoscaling.config import PoolSLO, ReplicaBounds
+from autoscaling.history import ScaleEvent, ScalingHistory
+from autoscaling.operator import ControlReader, ControlSettings, parse_duration
+from autoscaling.policy import decide_prefill
+from autoscaling.serve_metrics import (
     DECODE_METRIC_KEYS,
     PREFILL_METRIC_KEYS,
     decision_inputs,
@@ -23,7 +23,7 @@ from deploy.autoscaling.serve_metrics import (
     prefill_report_from_metrics,
     reason_kind,
 )
-from deploy.autoscaling.signals import DecodeReplicaReport, PrefillReplicaReport, PrefillSignals
+from autoscaling.signals import DecodeReplicaReport, PrefillReplicaReport, PrefillSignals
 from engine.autoscaling_stats import DecodeWindow, PrefillWindow
 
 

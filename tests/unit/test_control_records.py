@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from deploy.autoscaling.config import PoolSLO, ReplicaBounds
-from deploy.control.keys import METRICS, POOLS, ControlKeys
-from deploy.control.records import (
+from autoscaling.config import PoolSLO, ReplicaBounds
+from control.keys import METRICS, POOLS, ControlKeys
+from control.records import (
     DecisionRecord,
     ReplicaStatus,
     decode_bounds,

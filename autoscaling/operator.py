@@ -5,7 +5,7 @@
 - `ControlReader`: what the Serve autoscaling policies (serve_policy.py) read each tick from
   inside the Serve controller, whose loop calls them synchronously.
 
-Keys come from deploy/control/keys.py and values go through deploy/control/records.py, as in
+Keys come from control/keys.py and values go through control/records.py, as in
 the async `ControlStore`, so both sides read what the other writes. Redis is never the KV path.
 """
 
@@ -22,9 +22,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from deploy.autoscaling.config import PoolSLO, ReplicaBounds
-from deploy.control.keys import POOLS, ControlKeys, validate_pool
-from deploy.control.records import (
+from autoscaling.config import PoolSLO, ReplicaBounds
+from control.keys import POOLS, ControlKeys, validate_pool
+from control.records import (
     DecisionRecord,
     decode_bounds,
     decode_decision,
@@ -35,7 +35,7 @@ from deploy.control.records import (
     encode_pin,
     encode_slo,
 )
-from deploy.control.store import DEFAULT_DECISION_CAP
+from control.store import DEFAULT_DECISION_CAP
 
 CLI_TIMEOUT_S = 5.0
 

@@ -21,9 +21,9 @@ from collections.abc import Collection, Sequence
 
 import redis.asyncio as aioredis
 
-from deploy.autoscaling.config import PoolSLO, ReplicaBounds
-from deploy.control.keys import ControlKeys, validate_metric, validate_pool
-from deploy.control.records import (
+from autoscaling.config import PoolSLO, ReplicaBounds
+from control.keys import ControlKeys, validate_metric, validate_pool
+from control.records import (
     DecisionRecord,
     ReplicaStatus,
     decode_bounds,

@@ -24,10 +24,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from deploy.autoscaling.config import PoolSLO
-from deploy.autoscaling.history import ScaleEvent, ScalingHistory
-from deploy.autoscaling.policy import Decision
-from deploy.autoscaling.signals import DecodeReplicaReport, PrefillReplicaReport
+from autoscaling.config import PoolSLO
+from autoscaling.history import ScaleEvent, ScalingHistory
+from autoscaling.policy import Decision
+from autoscaling.signals import DecodeReplicaReport, PrefillReplicaReport
 
 NO_SAMPLE = -1.0
 

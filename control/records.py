@@ -11,8 +11,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from deploy.autoscaling.config import PoolSLO, ReplicaBounds
-from deploy.control.keys import validate_pool
+from autoscaling.config import PoolSLO, ReplicaBounds
+from control.keys import validate_pool
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from deploy.autoscaling.config import DEFAULT_CONFIG, AutoscalingConfig, PoolSLO, ReplicaBounds
-from deploy.autoscaling.history import ScaleEvent, ScalingHistory, held_since
-from deploy.autoscaling.signals import DecodeSignals, PrefillSignals
+from autoscaling.config import DEFAULT_CONFIG, AutoscalingConfig, PoolSLO, ReplicaBounds
+from autoscaling.history import ScaleEvent, ScalingHistory, held_since
+from autoscaling.signals import DecodeSignals, PrefillSignals
 
 
 class Decision(NamedTuple):
