@@ -13,7 +13,7 @@ Nothing here imports ray, vllm, redis or grpc.
 
 from __future__ import annotations
 
-from autoscaling.config import AutoscalingConfig, PoolSLO, ReplicaBounds
+from autoscaling.config import AutoscalingConfig
 from autoscaling.history import ScaleEvent, ScalingHistory
 from autoscaling.policy import Decision, decide_decode, decide_prefill
 from autoscaling.signals import (
@@ -27,6 +27,7 @@ from autoscaling.signals import (
     percentile,
     window_percentile,
 )
+from control.records import PoolSLO, ReplicaBounds
 
 __all__ = [
     "AutoscalingConfig",

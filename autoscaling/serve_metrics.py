@@ -24,10 +24,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autoscaling.config import PoolSLO
 from autoscaling.history import ScaleEvent, ScalingHistory
 from autoscaling.policy import Decision
 from autoscaling.signals import DecodeReplicaReport, PrefillReplicaReport
+from control.records import PoolSLO
 
 NO_SAMPLE = -1.0
 

@@ -27,15 +27,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
-from autoscaling.config import (
-    DEFAULT_CONFIG,
-    DEFAULT_SLO,
-    AutoscalingConfig,
-    PoolSLO,
-    ReplicaBounds,
-)
+from autoscaling.config import DEFAULT_CONFIG, DEFAULT_SLO, AutoscalingConfig
+from autoscaling.control_reader import ControlReader, ControlSettings
 from autoscaling.history import ScalingHistory
-from autoscaling.operator import ControlReader, ControlSettings
 from autoscaling.policy import Decision, decide_decode, decide_prefill
 from autoscaling.serve_metrics import (
     DECODE_METRIC_KEYS,
@@ -50,7 +44,7 @@ from autoscaling.serve_metrics import (
 )
 from autoscaling.signals import aggregate_decode, aggregate_prefill
 from control.keys import validate_pool
-from control.records import DecisionRecord
+from control.records import DecisionRecord, PoolSLO, ReplicaBounds
 
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext

@@ -6,10 +6,9 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from autoscaling import operator
-from autoscaling.config import PoolSLO
 from control.keys import POOLS
-from control.records import DecisionRecord, ReplicaStatus
+from control.records import DecisionRecord, PoolSLO, ReplicaStatus
+from control.sync_store import SyncControlStore
 from deploy.local import LocalRun, load_run
 
 PERCENTILES = (50.0, 95.0, 99.0)
@@ -120,15 +119,16 @@ def print_status() -> int:
             states = ", ".join(f"{s}: {n}" for s, n in sorted(deployment.replica_states.items()))
             print(f"  {name:<12}{states}   {deployment.status}")
     samples, replicas = asyncio.run(_from_redis(run))
-    decisions = operator.recent_decisions(run.redis_url, run.app, n=10)
+    with SyncControlStore.connect(run.redis_url, run.app) as store:
+        decisions = store.recent_decisions(n=10)
+        pins = store.pins()
+        slo = store.get_slo()
     running = (
         {n: int(d.replica_states.get("RUNNING", 0)) for n, d in app.deployments.items()}
         if app is not None
         else {}
     )
     print("autoscaling (prefill on TTFT, decode on TPOT)")
-    pins = operator.pins(run.redis_url, run.app)
-    slo = operator.get_slo(run.redis_url, run.app)
     for line in format_pools(samples, slo, running, pins, decisions):
         print(line)
     print("replicas (last report)")

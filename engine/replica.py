@@ -72,11 +72,9 @@ class ReplicaShell:
         """Publish this replica's status to the app's Redis (what `pdserve status` lists)."""
         self._store = None
         if redis_url:
-            import redis.asyncio
-
             from control.store import ControlStore
 
-            self._store = ControlStore(redis.asyncio.Redis.from_url(redis_url), app)
+            self._store = ControlStore.from_url(redis_url, app)
 
     def on_stats_tick(self) -> None:
         """Hook run on each routing-stats period (decode exports its KV transfer metrics)."""

@@ -20,6 +20,7 @@ from ray import serve
 from api.convert import request_to_body, timings_message, usage_message
 from api.gen import pdserve_pb2
 from api.serve_grpc import SERVICE, MalformedRequest
+from control.store import ControlStore
 from deploy.config import AppConfig
 from engine.models import resolve_model
 from engine.prompts import load_tokenizer
@@ -46,6 +47,15 @@ def _ready_replicas(app_name: str) -> dict[str, int]:
             continue
         ready[name] = int(deployment.replica_states.get("RUNNING", 0))
     return ready
+
+
+async def _record_samples(store: ControlStore, values: dict[str, float | None]) -> None:
+    try:
+        for metric, value in values.items():
+            if value is not None:
+                await store.record_sample(metric, value)
+    except Exception as exc:  # status percentiles are best effort; serving goes on
+        logger.warning("recording latency samples in Redis failed: %s", exc)
 
 
 @serve.ingress(http_app)
@@ -76,16 +86,9 @@ class Router:
             on_finish=self._on_finish,
         )
         self.metrics = RouterMetrics(config.name)
-        self.store: Any = None
         self._background: set[asyncio.Task[Any]] = set()
-        if config.control.redis_url:
-            import redis.asyncio
-
-            from control.store import ControlStore
-
-            self.store = ControlStore(
-                redis.asyncio.Redis.from_url(config.control.redis_url), config.name
-            )
+        url = config.control.redis_url
+        self.store = ControlStore.from_url(url, config.name) if url else None
 
     def _on_finish(self, outcome: str, timings: RequestTimings | None, num_tokens: int) -> None:
         self.metrics.observe(outcome, timings)
@@ -98,17 +101,9 @@ class Router:
             "prefill": timings.prefill_s,
             "kv_transfer": timings.kv_transfer_s if timings.decode_start_s > 0 else None,
         }
-        task = asyncio.ensure_future(self._record_samples(values))
+        task = asyncio.ensure_future(_record_samples(self.store, values))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _record_samples(self, values: dict[str, float | None]) -> None:
-        try:
-            for metric, value in values.items():
-                if value is not None:
-                    await self.store.record_sample(metric, value)
-        except Exception as exc:  # status percentiles are best effort; serving goes on
-            logger.warning("recording latency samples in Redis failed: %s", exc)
 
     # --- OpenAI HTTP -----------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from control.store import ControlStore
 from engine.request import GenerationRequest
 from kv_transfer.blocks import num_blocks_for
 from router.policy import (
@@ -27,7 +28,7 @@ from router.policy import (
     choose_decode_replica,
     choose_prefill_replica,
 )
-from router.prefix import BlockHash, MatchResult, PrefixIndex, block_hashes
+from router.prefix import BlockHash, MatchResult, PrefixIndex, block_hashes, match_owners
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +75,7 @@ class PrefillRequestRouter(RequestRouter):
         self._block_size = block_size
         self._prefix_ttl_s = prefix_ttl_s
         self._local_index = PrefixIndex(ttl_seconds=prefix_ttl_s)
-        self._store: Any = None
-        if redis_url:
-            import redis.asyncio
-
-            from control.store import ControlStore
-
-            self._store = ControlStore(redis.asyncio.Redis.from_url(redis_url), app_name)
+        self._store = ControlStore.from_url(redis_url, app_name) if redis_url else None
 
     async def choose_replicas(
         self,
@@ -110,7 +105,8 @@ class PrefillRequestRouter(RequestRouter):
         if self._store is None or not hashes:
             return self._local_index
         try:
-            return _FixedMatch(await self._store.longest_prefix_match(hashes, set(eligible)))
+            owners = await self._store.prefix_owners(hashes)
+            return _FixedMatch(match_owners(owners, set(eligible)))
         except Exception as exc:  # the control plane is advisory for routing
             logger.warning("prefix index lookup failed, routing by load only: %s", exc)
             return self._local_index

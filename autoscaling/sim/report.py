@@ -10,13 +10,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-from autoscaling.config import PoolSLO, ReplicaBounds
 from autoscaling.sim.baseline import queue_length_policies
 from autoscaling.sim.pool_policies import slo_policies
 from autoscaling.sim.profiles import PROFILES
 from autoscaling.sim.results import SimResult
 from autoscaling.sim.simulator import SimSettings, simulate
 from autoscaling.sim.trace import ArrivalTrace, LengthRange, bursty_trace
+from control.records import PoolSLO, ReplicaBounds
 
 
 def build_trace(args: argparse.Namespace) -> ArrivalTrace:

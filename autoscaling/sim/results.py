@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from autoscaling.config import PoolSLO
 from autoscaling.history import ScaleEvent
 from autoscaling.signals import percentile
+from control.records import PoolSLO
 
 PoolName = Literal["prefill", "decode"]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from autoscaling.config import DEFAULT_SLO, PoolSLO
+from autoscaling.config import DEFAULT_SLO
 from autoscaling.policy import Decision
 from autoscaling.signals import RouterQueueReport, aggregate_decode, aggregate_prefill
 from autoscaling.sim.pool_policies import PoolPolicies
@@ -30,6 +30,7 @@ from autoscaling.sim.profiles import CPU_FP32_1CORE, ServiceProfile
 from autoscaling.sim.replicas import DecodeReplica, PrefillReplica, SimRequest
 from autoscaling.sim.results import PoolEvent, PoolName, RequestOutcome, SimResult
 from autoscaling.sim.trace import ArrivalTrace
+from control.records import PoolSLO
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autoscaling.config import AutoscalingConfig, PoolSLO, ReplicaBounds
+from autoscaling.config import AutoscalingConfig
 from autoscaling.history import ScalingHistory
 from autoscaling.policy import Decision, decide_decode, decide_prefill
 from autoscaling.signals import (
@@ -23,6 +23,7 @@ from autoscaling.signals import (
     percentile,
     window_percentile,
 )
+from control.records import PoolSLO, ReplicaBounds
 
 SLO = PoolSLO(ttft_p95_s=5.0, tpot_p95_s=0.2)
 BOUNDS = ReplicaBounds(1, 16)

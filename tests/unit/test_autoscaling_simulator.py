@@ -7,13 +7,14 @@ import math
 
 import pytest
 
-from autoscaling.config import DEFAULT_CONFIG, PoolSLO, ReplicaBounds
+from autoscaling.config import DEFAULT_CONFIG
 from autoscaling.sim.baseline import queue_length_policies
 from autoscaling.sim.pool_policies import slo_policies
 from autoscaling.sim.profiles import CPU_FP32_1CORE
 from autoscaling.sim.results import SimResult
 from autoscaling.sim.simulator import SimSettings, simulate
 from autoscaling.sim.trace import ArrivalTrace, LengthRange, RateSegment, bursty_trace
+from control.records import PoolSLO, ReplicaBounds
 
 SLO = PoolSLO(ttft_p95_s=5.0, tpot_p95_s=0.2)
 SETTINGS = SimSettings(profile=CPU_FP32_1CORE, slo=SLO)

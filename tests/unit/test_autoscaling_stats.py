@@ -8,9 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from autoscaling.config import PoolSLO, ReplicaBounds
+from autoscaling.control_reader import ControlReader, ControlSettings
 from autoscaling.history import ScaleEvent, ScalingHistory
-from autoscaling.operator import ControlReader, ControlSettings, parse_duration
 from autoscaling.policy import decide_prefill
 from autoscaling.serve_metrics import (
     DECODE_METRIC_KEYS,
@@ -24,6 +23,8 @@ from autoscaling.serve_metrics import (
     reason_kind,
 )
 from autoscaling.signals import DecodeReplicaReport, PrefillReplicaReport, PrefillSignals
+from control.records import PoolSLO, ReplicaBounds
+from deploy.cli_ops import parse_duration
 from engine.autoscaling_stats import DecodeWindow, PrefillWindow
 
 

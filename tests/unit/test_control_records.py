@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from autoscaling.config import PoolSLO, ReplicaBounds
 from control.keys import METRICS, POOLS, ControlKeys
 from control.records import (
     DecisionRecord,
+    PoolSLO,
+    ReplicaBounds,
     ReplicaStatus,
     decode_bounds,
     decode_decision,
