@@ -3,7 +3,7 @@
 | module | what it holds |
 |---|---|
 | `config.py` | `PoolSLO`, `ReplicaBounds`, `AutoscalingConfig` (every threshold, with defaults) |
-| `signals.py` | replica reports, pool signals, `percentile` / `window_percentile`, aggregation |
+| `signals.py` | replica reports, pool signals, `window_percentile`, aggregation |
 | `history.py` | `ScalingHistory` (immutable), `ScaleEvent` |
 | `policy.py` | `decide_prefill`, `decide_decode` -> `Decision` |
 | `sim/` | the discrete-event P/D simulator, the baseline policy and the report |
@@ -24,10 +24,10 @@ from autoscaling.signals import (
     RouterQueueReport,
     aggregate_decode,
     aggregate_prefill,
-    percentile,
     window_percentile,
 )
 from control.records import PoolSLO, ReplicaBounds
+from engine.autoscaling_stats import percentile
 
 __all__ = [
     "AutoscalingConfig",

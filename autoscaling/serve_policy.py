@@ -32,8 +32,6 @@ from autoscaling.control_reader import ControlReader, ControlSettings
 from autoscaling.history import ScalingHistory
 from autoscaling.policy import Decision, decide_decode, decide_prefill
 from autoscaling.serve_metrics import (
-    DECODE_METRIC_KEYS,
-    PREFILL_METRIC_KEYS,
     decision_inputs,
     decode_report_from_metrics,
     history_from_state,
@@ -45,6 +43,7 @@ from autoscaling.serve_metrics import (
 from autoscaling.signals import aggregate_decode, aggregate_prefill
 from control.keys import validate_pool
 from control.records import DecisionRecord, PoolSLO, ReplicaBounds
+from engine.autoscaling_stats import DECODE_METRIC_KEYS, PREFILL_METRIC_KEYS
 
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext

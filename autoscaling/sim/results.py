@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from autoscaling.history import ScaleEvent
-from autoscaling.signals import percentile
 from control.records import PoolSLO
+from engine.autoscaling_stats import percentile
 
 PoolName = Literal["prefill", "decode"]
 

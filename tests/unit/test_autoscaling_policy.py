@@ -17,13 +17,12 @@ from autoscaling.signals import (
     PrefillReplicaReport,
     PrefillSignals,
     RouterQueueReport,
-    TimedSample,
     aggregate_decode,
     aggregate_prefill,
-    percentile,
     window_percentile,
 )
 from control.records import PoolSLO, ReplicaBounds
+from engine.autoscaling_stats import TimedSample, percentile
 
 SLO = PoolSLO(ttft_p95_s=5.0, tpot_p95_s=0.2)
 BOUNDS = ReplicaBounds(1, 16)

@@ -12,8 +12,6 @@ from autoscaling.control_reader import ControlReader, ControlSettings
 from autoscaling.history import ScaleEvent, ScalingHistory
 from autoscaling.policy import decide_prefill
 from autoscaling.serve_metrics import (
-    DECODE_METRIC_KEYS,
-    PREFILL_METRIC_KEYS,
     decision_inputs,
     decode_report_from_metrics,
     history_from_state,
@@ -25,7 +23,12 @@ from autoscaling.serve_metrics import (
 from autoscaling.signals import DecodeReplicaReport, PrefillReplicaReport, PrefillSignals
 from control.records import PoolSLO, ReplicaBounds
 from deploy.cli_ops import parse_duration
-from engine.autoscaling_stats import DecodeWindow, PrefillWindow
+from engine.autoscaling_stats import (
+    DECODE_METRIC_KEYS,
+    PREFILL_METRIC_KEYS,
+    DecodeWindow,
+    PrefillWindow,
+)
 
 
 class FakeClock:
