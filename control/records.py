@@ -1,5 +1,9 @@
 """What the control plane stores, and its JSON form. Pure: no redis import, tested in ms.
 
+The operator's settings (`PoolSLO`, `ReplicaBounds`, pins) and the autoscaler's decisions
+(`DecisionRecord`) are defined here; a replica's status is the `ReplicaLoad` it reports
+(engine/messages.py), stored as is.
+
 Each `decode_*` takes the raw value Redis returned (str or bytes) and raises ValueError naming
 the field when it is malformed: a bad record written by a buggy or newer writer is an error,
 never a silent default. Unknown fields are ignored so a newer writer can add some.
@@ -12,6 +16,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from control.keys import validate_pool
+from engine.messages import ReplicaLoad
 
 
 @dataclass(frozen=True)
@@ -49,35 +54,6 @@ class ReplicaBounds:
 
 
 @dataclass(frozen=True)
-class ReplicaStatus:
-    """One replica's load, as it last reported it; `updated_at` is unix seconds."""
-
-    replica_id: str
-    pool: str
-    healthy: bool
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    pending_prefill_tokens: int
-    updated_at: float
-
-    def __post_init__(self) -> None:
-        if not self.replica_id:
-            raise ValueError("replica_id must be non-empty")
-        validate_pool(self.pool)
-        for name in ("num_running", "num_waiting", "pending_prefill_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.kv_usage <= 1.0:
-            raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
-        _check_timestamp("updated_at", self.updated_at)
-
-    def is_fresh(self, now: float, max_age_s: float) -> bool:
-        """Reported within `max_age_s` of `now`; a clock slightly ahead still counts as fresh."""
-        return now - self.updated_at <= max_age_s
-
-
-@dataclass(frozen=True)
 class DecisionRecord:
     """One autoscaling decision, as `pdserve status` shows it; `at` is unix seconds."""
 
@@ -108,20 +84,22 @@ def _dumps(data: dict[str, object]) -> str:
     return json.dumps(data, separators=(",", ":"), sort_keys=True)
 
 
-def encode_replica_status(status: ReplicaStatus) -> str:
-    return _dumps(asdict(status))
+def encode_replica_load(load: ReplicaLoad) -> str:
+    validate_pool(load.pool)
+    return _dumps(asdict(load))
 
 
-def decode_replica_status(raw: str | bytes) -> ReplicaStatus:
-    data = _load_object(raw, "replica status")
-    return ReplicaStatus(
+def decode_replica_load(raw: str | bytes) -> ReplicaLoad:
+    data = _load_object(raw, "replica load")
+    return ReplicaLoad(
         replica_id=_str(data, "replica_id"),
-        pool=_str(data, "pool"),
-        healthy=_bool(data, "healthy"),
+        pool=validate_pool(_str(data, "pool")),
+        num_pending_prefill_tokens=_int(data, "num_pending_prefill_tokens"),
         num_running=_int(data, "num_running"),
         num_waiting=_int(data, "num_waiting"),
         kv_usage=_float(data, "kv_usage"),
-        pending_prefill_tokens=_int(data, "pending_prefill_tokens"),
+        num_total_blocks=_int(data, "num_total_blocks"),
+        num_free_blocks=_int(data, "num_free_blocks"),
         updated_at=_float(data, "updated_at"),
     )
 
@@ -199,13 +177,6 @@ def _str(data: dict[str, object], name: str) -> str:
     value = _require(data, name)
     if not isinstance(value, str):
         raise ValueError(f"field {name!r} must be a string, got {value!r}")
-    return value
-
-
-def _bool(data: dict[str, object], name: str) -> bool:
-    value = _require(data, name)
-    if not isinstance(value, bool):
-        raise ValueError(f"field {name!r} must be a boolean, got {value!r}")
     return value
 
 

@@ -4,11 +4,11 @@ the decision log are the sync face's (sync_store.py).
 
 Who calls what, and how often:
 
-    replicas     put_replica_status      every report tick, per replica
+    replicas     put_replica_load        every report tick, per replica
     routers      record_prefix           per prefill, after it is routed
                  prefix_owners           per request (one MGET)
                  record_sample           per finished request and metric
-    status       replica_statuses, recent_samples                      per `pdserve status`
+    status       replica_loads, recent_samples                         per `pdserve status`
 
 Every value is a short JSON or text string; no KV-cache data ever goes through Redis.
 """
@@ -21,8 +21,9 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from control.keys import ControlKeys, validate_metric, validate_pool
-from control.records import ReplicaStatus, decode_replica_status, encode_replica_status
+from control.keys import ControlKeys, validate_metric
+from control.records import decode_replica_load, encode_replica_load
+from engine.messages import ReplicaLoad
 
 DEFAULT_SAMPLE_CAP = 2048
 
@@ -60,23 +61,21 @@ class ControlStore:
     async def close(self) -> None:
         await self._client.aclose()
 
-    # Replica status: one hash per pool, one field per replica.
+    # Replica status: one hash per pool, one field per replica, its last reported load.
 
-    async def put_replica_status(self, pool: str, status: ReplicaStatus) -> None:
-        if status.pool != validate_pool(pool):
-            raise ValueError(f"status of a {status.pool} replica put under pool {pool!r}")
+    async def put_replica_load(self, load: ReplicaLoad) -> None:
         await self._client.hset(
-            self.keys.replicas(pool), status.replica_id, encode_replica_status(status)
+            self.keys.replicas(load.pool), load.replica_id, encode_replica_load(load)
         )
 
-    async def replica_statuses(self, pool: str, max_age_s: float = 30.0) -> list[ReplicaStatus]:
-        """Statuses reported within `max_age_s` (wall clock), sorted by replica id. A replica
-        that died just goes stale; its field stays in the hash."""
+    async def replica_loads(self, pool: str, max_age_s: float = 30.0) -> list[ReplicaLoad]:
+        """Loads reported within `max_age_s` (wall clock), sorted by replica id. A replica that
+        died just goes stale; its field stays in the hash."""
         raw: dict[bytes | str, bytes | str] = await self._client.hgetall(self.keys.replicas(pool))
         now = time.time()
-        statuses = [decode_replica_status(value) for value in raw.values()]
-        fresh = [status for status in statuses if status.is_fresh(now, max_age_s)]
-        return sorted(fresh, key=lambda status: status.replica_id)
+        loads = [decode_replica_load(value) for value in raw.values()]
+        fresh = [load for load in loads if load.is_fresh(now, max_age_s)]
+        return sorted(fresh, key=lambda load: load.replica_id)
 
     # Prefix index: block hash -> the prefill replica that last computed it, with a TTL. The
     # matching rule is the router's (`router.prefix.match_owners`); here are keys and values.

@@ -5,13 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from decode_workers.worker import DecodeChunk, DecodeWorker
+from decode_workers.worker import DecodeWorker
 from deploy.config import AppConfig
 from deploy.engines import engine_settings, served_transfer_settings
 from engine.autoscaling_stats import DecodeWindow
+from engine.messages import GenerationRequest, KVHandoff, TokenEvent
 from engine.replica import ReplicaShell
-from engine.request import GenerationRequest
-from kv_transfer.handoff import KVHandoff
 from router.metrics import TransferMetrics
 
 
@@ -30,7 +29,7 @@ class DecodeServer(ReplicaShell):
 
     async def decode(
         self, request: GenerationRequest, handoff: KVHandoff
-    ) -> AsyncIterator[DecodeChunk]:
+    ) -> AsyncIterator[TokenEvent]:
         # TPOT of this request on this replica: from its first decoded token to its last.
         first_at = last_at = 0.0
         num_tokens = 0

@@ -7,9 +7,10 @@ import time
 from collections.abc import Sequence
 
 from control.keys import POOLS
-from control.records import DecisionRecord, PoolSLO, ReplicaStatus
+from control.records import DecisionRecord, PoolSLO
 from control.sync_store import SyncControlStore
 from deploy.local import LocalRun, load_run
+from engine.messages import ReplicaLoad
 
 PERCENTILES = (50.0, 95.0, 99.0)
 METRICS = ("ttft", "tpot", "queue_wait", "prefill", "kv_transfer")
@@ -36,24 +37,24 @@ def format_latencies(samples: dict[str, list[float]]) -> list[str]:
     return lines
 
 
-async def _from_redis(run: LocalRun) -> tuple[dict[str, list[float]], list[ReplicaStatus]]:
+async def _from_redis(run: LocalRun) -> tuple[dict[str, list[float]], list[ReplicaLoad]]:
     """Latency samples the router recorded, and the replicas' last published load."""
     from control.store import ControlStore
 
     store = await ControlStore.connect(run.redis_url, run.app)
     try:
         samples = {m: await store.recent_samples(m, 1000) for m in METRICS}
-        replicas = [r for pool in POOLS for r in await store.replica_statuses(pool)]
+        replicas = [r for pool in POOLS for r in await store.replica_loads(pool)]
         return samples, replicas
     finally:
         await store.close()
 
 
-def format_replicas(replicas: Sequence[ReplicaStatus]) -> list[str]:
+def format_replicas(replicas: Sequence[ReplicaLoad]) -> list[str]:
     lines = [f"  {'replica':<28}{'pending tok':>12}{'running':>9}{'waiting':>9}{'KV used':>9}"]
     for r in replicas:
         lines.append(
-            f"  {r.replica_id:<28}{r.pending_prefill_tokens:>12}{r.num_running:>9}"
+            f"  {r.replica_id:<28}{r.num_pending_prefill_tokens:>12}{r.num_running:>9}"
             f"{r.num_waiting:>9}{r.kv_usage:>8.0%}"
         )
     return lines if replicas else ["  (no replica has reported yet)"]

@@ -11,10 +11,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from engine.async_engine import ServedEngine, start_async_engine
-from engine.events import TokenEvent, engine_times
+from engine.async_engine import ServedEngine, engine_times, start_async_engine
+from engine.messages import GenerationRequest, TokenEvent
 from engine.replica import ReplicaShell
-from engine.request import GenerationRequest
 from engine.sampling import to_sampling_params
 from engine.settings import EngineSettings
 
@@ -43,13 +42,12 @@ class ColocatedEngine(ServedEngine):
             if not new_ids and completion.finish_reason is None:
                 continue
             if num_seen == 0 and new_ids:
-                queue_s, compute_s = engine_times(output.metrics, time.perf_counter() - started)
+                _, compute_s = engine_times(output.metrics, time.perf_counter() - started)
                 first = TokenEvent(
                     new_ids[:1],
                     completion.finish_reason if len(new_ids) == 1 else None,
                     is_first=True,
                     prefill_seconds=compute_s,
-                    engine_queue_seconds=queue_s,
                 )
                 yield first
                 num_seen = 1

@@ -8,9 +8,9 @@ count of prompt tokens it has accepted but not yet prefilled.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
+from engine.messages import ReplicaLoad
 from engine.stats import EngineStatsRecorder
 
 logger = logging.getLogger(__name__)
@@ -39,26 +39,6 @@ class ReplicaShell:
         """Prompt tokens accepted and not yet prefilled (0 for a pool that never prefills)."""
         return 0
 
-    def num_total_blocks(self) -> int:
-        engine = self._engine_owner.engine
-        return int(engine.vllm_config.cache_config.num_gpu_blocks or 0)
-
-    def routing_snapshot(self) -> dict[str, Any]:
-        latest = self._stats.latest
-        total = self.num_total_blocks()
-        used = round(total * latest.kv_cache_usage)
-        return {
-            "pool": self.pool,
-            "replica_id": self._engine_owner.worker_id,
-            "pending_prefill_tokens": self.num_pending_prefill_tokens,
-            "num_running": latest.num_running,
-            "num_waiting": latest.num_waiting,
-            "kv_usage": latest.kv_cache_usage,
-            "num_total_blocks": total,
-            "num_free_blocks": max(0, total - used),
-            "updated_at": time.time(),
-        }
-
     def start_engine(self, owner: Any, redis_url: str | None, app: str) -> None:
         """Name `owner` after this Serve replica (what the request router sees), start its
         engine, and connect the control plane: what every engine deployment does first."""
@@ -82,28 +62,14 @@ class ReplicaShell:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Called by Serve every `request_routing_stats_period_s`; read by the request router."""
         self.on_stats_tick()
-        snapshot = self.routing_snapshot()
+        load = self._engine_owner.load(self.pool, self.num_pending_prefill_tokens)
         if getattr(self, "_store", None) is not None and self.pool in ("prefill", "decode"):
-            await self._publish(snapshot)
-        return snapshot
+            await self._publish(load)
+        return load.to_stats()
 
-    async def _publish(self, snapshot: dict[str, Any]) -> None:
-        from control.records import ReplicaStatus
-
+    async def _publish(self, load: ReplicaLoad) -> None:
         try:
-            await self._store.put_replica_status(
-                self.pool,
-                ReplicaStatus(
-                    replica_id=str(snapshot["replica_id"]),
-                    pool=self.pool,
-                    healthy=True,
-                    num_running=int(snapshot["num_running"]),
-                    num_waiting=int(snapshot["num_waiting"]),
-                    kv_usage=min(1.0, max(0.0, float(snapshot["kv_usage"]))),
-                    pending_prefill_tokens=int(snapshot["pending_prefill_tokens"]),
-                    updated_at=float(snapshot["updated_at"]),
-                ),
-            )
+            await self._store.put_replica_load(load)
         except Exception as exc:  # status is informational; routing and serving go on
             logger.warning("publishing replica status to Redis failed: %s", exc)
 

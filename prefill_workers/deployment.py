@@ -5,9 +5,9 @@ from __future__ import annotations
 from deploy.config import AppConfig
 from deploy.engines import engine_settings, served_transfer_settings
 from engine.autoscaling_stats import PrefillWindow
+from engine.messages import GenerationRequest, PrefillResult
 from engine.replica import ReplicaShell
-from engine.request import GenerationRequest
-from prefill_workers.worker import PrefillResult, PrefillWorker
+from prefill_workers.worker import PrefillWorker
 
 
 class PrefillServer(ReplicaShell):

@@ -12,22 +12,24 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from control.records import DecisionRecord, PoolSLO, ReplicaBounds, ReplicaStatus
+from control.records import DecisionRecord, PoolSLO, ReplicaBounds
 from control.redis_server import RedisServer, start_redis_server
 from control.store import ControlStore
 from control.sync_store import SyncControlStore
+from engine.messages import ReplicaLoad
 from router.prefix import MatchResult, block_hashes, match_owners
 
 
-def make_status(replica_id: str, pool: str = "prefill", age_s: float = 0.0) -> ReplicaStatus:
-    return ReplicaStatus(
+def make_load(replica_id: str, pool: str = "prefill", age_s: float = 0.0) -> ReplicaLoad:
+    return ReplicaLoad(
         replica_id=replica_id,
         pool=pool,
-        healthy=True,
+        num_pending_prefill_tokens=900,
         num_running=3,
         num_waiting=1,
         kv_usage=0.4,
-        pending_prefill_tokens=900,
+        num_total_blocks=100,
+        num_free_blocks=60,
         updated_at=time.time() - age_s,
     )
 
@@ -104,19 +106,19 @@ def test_start_failure_names_the_log(tmp_path: Path) -> None:
 # Store round trips
 
 
-async def test_replica_status_round_trip_and_staleness(control_store: ControlStore) -> None:
-    fresh = [make_status("prefill-1"), make_status("prefill-0", age_s=5)]
-    for status in [*fresh, make_status("prefill-old", age_s=120)]:
-        await control_store.put_replica_status("prefill", status)
-    await control_store.put_replica_status("decode", make_status("decode-0", pool="decode"))
+async def test_replica_load_round_trip_and_staleness(control_store: ControlStore) -> None:
+    fresh = [make_load("prefill-1"), make_load("prefill-0", age_s=5)]
+    for load in [*fresh, make_load("prefill-old", age_s=120)]:
+        await control_store.put_replica_load(load)
+    await control_store.put_replica_load(make_load("decode-0", pool="decode"))
 
-    assert await control_store.replica_statuses("prefill") == sorted(
-        fresh, key=lambda status: status.replica_id
+    assert await control_store.replica_loads("prefill") == sorted(
+        fresh, key=lambda load: load.replica_id
     )
-    assert len(await control_store.replica_statuses("prefill", max_age_s=600)) == 3
-    assert [s.replica_id for s in await control_store.replica_statuses("decode")] == ["decode-0"]
-    with pytest.raises(ValueError, match="decode replica put under pool 'prefill'"):
-        await control_store.put_replica_status("prefill", make_status("d", pool="decode"))
+    assert len(await control_store.replica_loads("prefill", max_age_s=600)) == 3
+    assert [s.replica_id for s in await control_store.replica_loads("decode")] == ["decode-0"]
+    with pytest.raises(ValueError, match="pool must be one of"):
+        await control_store.put_replica_load(make_load("engine-0", pool="engine"))
 
 
 async def test_prefix_index_match_and_expiry(control_store: ControlStore) -> None:
@@ -215,7 +217,7 @@ async def test_apps_do_not_see_each_others_keys(redis_server: RedisServer) -> No
     two = await ControlStore.connect(redis_server.url, "isolation-two")
     try:
         hashes = block_hashes(list(range(16)), block_size=8)
-        await one.put_replica_status("decode", make_status("decode-0", pool="decode"))
+        await one.put_replica_load(make_load("decode-0", pool="decode"))
         await one.record_prefix(hashes, "prefill-0", ttl_s=60)
         await one.record_sample("tpot", 0.05)
         with SyncControlStore.connect(redis_server.url, "isolation-one") as sync_one:
@@ -224,7 +226,7 @@ async def test_apps_do_not_see_each_others_keys(redis_server: RedisServer) -> No
             sync_one.pin("decode", 2)
             sync_one.append_decision(make_decision(1))
 
-        assert await two.replica_statuses("decode") == []
+        assert await two.replica_loads("decode") == []
         assert await two.prefix_owners(hashes) == [None, None]
         assert await two.recent_samples("tpot") == []
         with SyncControlStore.connect(redis_server.url, "isolation-two") as sync_two:
@@ -243,9 +245,9 @@ async def test_store_works_on_a_decoding_client(redis_server: RedisServer) -> No
     try:
         await store.record_prefix(block_hashes([1, 2], block_size=2), "prefill-0", ttl_s=5)
         await store.record_sample("queue_wait", 0.5)
-        await store.put_replica_status("prefill", make_status("prefill-0"))
+        await store.put_replica_load(make_load("prefill-0"))
         assert await store.prefix_owners(block_hashes([1, 2], block_size=2)) == ["prefill-0"]
         assert await store.recent_samples("queue_wait") == [0.5]
-        assert len(await store.replica_statuses("prefill")) == 1
+        assert len(await store.replica_loads("prefill")) == 1
     finally:
         await store.close()

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from engine.local import LocalEngine
-from engine.request import GenerationRequest
+from engine.messages import GenerationRequest
 from kv_transfer.base import TransferSettings
 from tests.builders import make_greedy, make_settings, prompt_of_length
 
