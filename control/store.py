@@ -4,7 +4,7 @@ the decision log are the sync face's (sync_store.py).
 
 Who calls what, and how often:
 
-    replicas     put_replica_load        every report tick, per replica
+    replicas     put_replica_load        every report tick, per replica (via LoadPublisher)
     routers      record_prefix           per prefill, after it is routed
                  prefix_owners           per request (one MGET)
                  record_sample           per finished request and metric
@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -120,6 +121,28 @@ class ControlStore:
         _check_count("n", n)
         values = await self._client.lrange(self.keys.samples(validate_metric(metric)), 0, n - 1)
         return [float(_text(value)) for value in values]
+
+
+class LoadPublisher:
+    """How a replica publishes its load: `build_app` puts one in each scaled pool's settings
+    (the replica packages sit below control/ and do not import it). Picklable, since Serve
+    passes it to the replica: it carries the URL, and connects there on first use."""
+
+    def __init__(self, url: str, app: str) -> None:
+        self.url = url
+        self.app = ControlKeys(app).app
+        self._store: ControlStore | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (LoadPublisher, (self.url, self.app))
+
+    def __repr__(self) -> str:  # never the URL: it carries the password
+        return f"LoadPublisher(app={self.app!r})"
+
+    async def publish(self, load: ReplicaLoad) -> None:
+        if self._store is None:
+            self._store = ControlStore.from_url(self.url, self.app)
+        await self._store.put_replica_load(load)
 
 
 def _text(value: bytes | str) -> str:

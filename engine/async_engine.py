@@ -65,6 +65,10 @@ class ServedEngine:
         self.start_seconds = 0.0
         self.stats = EngineStatsRecorder()
 
+    def start(self) -> None:
+        """Build and start `self.engine` (blocking: 25-45 s per engine on CPU)."""
+        raise NotImplementedError
+
     def load(self, pool: str, num_pending_prefill_tokens: int = 0) -> ReplicaLoad:
         """This engine's load now, from its stat logger's latest step and its KV capacity."""
         latest = self.stats.latest
