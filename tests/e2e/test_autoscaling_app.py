@@ -95,7 +95,7 @@ def _has_target(url: str, pool: str, target: int) -> bool:
 
 def _cli(url: str, *args: str) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", *args, "--redis-url", url, "--app", APP],
+        [sys.executable, "-m", "pdserve_cli", *args, "--redis-url", url, "--app", APP],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
