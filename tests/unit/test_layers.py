@@ -132,3 +132,20 @@ def test_the_documented_order_is_the_checked_one() -> None:
     section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
     documented = tuple(re.findall(r"^\d+\. `([a-z_]+)/?`", section, flags=re.M))
     assert documented == LAYERS
+
+
+def test_structures_lists_every_module_once_in_layer_order() -> None:
+    text = (REPO / "docs" / "structures.md").read_text()
+    listed = re.findall(r"^\| `([^`]+)` \|", text, flags=re.M)
+    in_layers = [name for name in listed if layer_of(REPO / name) in LAYERS]
+    modules = {
+        str(path.relative_to(REPO))
+        for layer in LAYERS
+        for path in python_files(layer)
+        if path.name != "__init__.py" and "gen" not in path.relative_to(REPO).parts
+    }
+    listed_modules = [name for name in in_layers if name.endswith(".py")]
+    assert sorted(listed_modules) == sorted(modules)
+    assert all(list(REPO.glob(name)) for name in listed), "listed, not in the tree"
+    ranks = [LAYERS.index(layer_of(REPO / name)) for name in in_layers]
+    assert ranks == sorted(ranks), "docs/structures.md groups modules by layer, bottom first"
