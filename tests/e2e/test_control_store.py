@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import redis.asyncio as aioredis
 
 from control.records import DecisionRecord, PoolSLO, ReplicaBounds
 from control.redis_server import RedisServer, start_redis_server
-from control.store import ControlStore
+from control.store import ControlStore, LoadPublisher
 from control.sync_store import SyncControlStore
 from engine.messages import ReplicaLoad
 from router.prefix import MatchResult, block_hashes, match_owners
@@ -119,6 +120,18 @@ async def test_replica_load_round_trip_and_staleness(control_store: ControlStore
     assert [s.replica_id for s in await control_store.replica_loads("decode")] == ["decode-0"]
     with pytest.raises(ValueError, match="pool must be one of"):
         await control_store.put_replica_load(make_load("engine-0", pool="engine"))
+
+
+async def test_a_replica_publishes_its_load_through_a_pickled_publisher(
+    control_store: ControlStore, redis_server: RedisServer
+) -> None:
+    # What build_app puts in a pool's settings and Serve pickles into the replica.
+    publisher = pickle.loads(pickle.dumps(LoadPublisher(redis_server.url, control_store.app)))
+    await publisher.publish(make_load("decode-7", pool="decode"))
+    await publisher.publish(make_load("decode-7", pool="decode", age_s=1))  # the latest wins
+    (stored,) = await control_store.replica_loads("decode")
+    assert stored.replica_id == "decode-7" and stored.updated_at < time.time() - 0.5
+    assert redis_server.password not in repr(publisher)
 
 
 async def test_prefix_index_match_and_expiry(control_store: ControlStore) -> None:
