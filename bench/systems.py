@@ -69,12 +69,12 @@ def _pdserve(system: SystemName, config: AppConfig, timeout_s: float) -> Iterato
 
 @contextmanager
 def _bare_engine(config: AppConfig) -> Iterator[Target]:
-    from deploy.engines import engine_settings
+    from deploy.settings import engine_spec
     from engine.async_engine import start_async_engine
 
     saved = dict(os.environ)
     try:
-        engine, _ = start_async_engine(engine_settings(config, "prefill"))
+        engine, _ = start_async_engine(engine_spec(config, "prefill").resolve())
     finally:  # The engine's processes have their environment; this one gets its own back.
         os.environ.clear()
         os.environ.update(saved)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from bench.memcpy import memcpy_seconds
 from decode_workers.worker import DecodeWorker
+from engine.messages import GenerationRequest
 from engine.models import resolve_model
 from engine.params import GenerationParams
-from engine.request import GenerationRequest
 from engine.settings import EngineSettings
 from kv_transfer.base import TransferSettings
 from prefill_workers.worker import PrefillWorker

@@ -5,48 +5,47 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from decode_workers.worker import DecodeChunk, DecodeWorker
-from deploy.config import AppConfig
-from deploy.engines import engine_settings, served_transfer_settings
+from decode_workers.metrics import TransferMetrics
+from decode_workers.worker import DecodeWorker
 from engine.autoscaling_stats import DecodeWindow
-from engine.replica import ReplicaShell
-from engine.request import GenerationRequest
-from kv_transfer.handoff import KVHandoff
-from router.metrics import TransferMetrics
+from engine.messages import GenerationRequest, KVHandoff, TokenEvent
+from kv_transfer.endpoint import served_transfer_settings
+from prefill_workers.replica import ReplicaSettings, ReplicaShell
 
 
 class DecodeServer(ReplicaShell):
     pool = "decode"
 
-    def __init__(self, config: AppConfig) -> None:
-        worker = DecodeWorker(engine_settings(config, "decode"), served_transfer_settings(config))
-        self.start_engine(worker, config.control.redis_url, config.name)
-        self._transfer_metrics = TransferMetrics(config.name, worker.backend.name)
-        self._window = DecodeWindow(config.autoscaling.window_s, config.autoscaling.percentile)
+    def __init__(self, settings: ReplicaSettings) -> None:
+        transfer = served_transfer_settings(settings.require_transfer())
+        self._worker = DecodeWorker(settings.engine.resolve(), transfer)
+        self.start_engine(self._worker, settings.status)
+        self._transfer_metrics = TransferMetrics(settings.app, self._worker.backend.name)
+        self._window = DecodeWindow(settings.window_s, settings.percentile)
 
     def on_stats_tick(self) -> None:
         # Periodic (routing-stats period): export the KV transfers made since the last tick.
-        self._transfer_metrics.observe(self._stats.take_transfers())
+        self._transfer_metrics.observe(self._worker.stats.take_transfers())
 
     async def decode(
         self, request: GenerationRequest, handoff: KVHandoff
-    ) -> AsyncIterator[DecodeChunk]:
+    ) -> AsyncIterator[TokenEvent]:
         # TPOT of this request on this replica: from its first decoded token to its last.
         first_at = last_at = 0.0
         num_tokens = 0
-        async for chunk in self._engine_owner.decode(request, handoff):
-            if chunk.token_ids:
+        async for event in self._worker.decode(request, handoff):
+            if event.token_ids:
                 last_at = time.perf_counter()
                 first_at = first_at or last_at
-                num_tokens += len(chunk.token_ids)
-            yield chunk
+                num_tokens += len(event.token_ids)
+            yield event
         if num_tokens > 1:
             self._window.record_tpot((last_at - first_at) / (num_tokens - 1))
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Pushed to the Serve controller for the decode pool's SLO policy."""
-        latest = self._stats.latest
+        latest = self._worker.stats.latest
         return self._window.report(latest.num_running, latest.num_waiting, latest.kv_cache_usage)
 
     async def release(self, handoff: KVHandoff) -> None:
-        await self._engine_owner.release(handoff)
+        await self._worker.release(handoff)

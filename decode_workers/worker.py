@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-from engine.request import GenerationRequest
+from engine.messages import (
+    GenerationRequest,
+    KVHandoff,
+    KVHandshakeError,
+    KVTransferError,
+    TokenEvent,
+)
 from engine.sampling import to_sampling_params
 from kv_transfer.endpoint import KVEndpoint
-from kv_transfer.handoff import KVHandoff, KVHandshakeError, KVTransferError
-
-
-@dataclass(frozen=True)
-class DecodeChunk:
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
 
 
 class DecodeWorker(KVEndpoint):
@@ -44,7 +42,7 @@ class DecodeWorker(KVEndpoint):
 
     async def decode(
         self, request: GenerationRequest, handoff: KVHandoff
-    ) -> AsyncIterator[DecodeChunk]:
+    ) -> AsyncIterator[TokenEvent]:
         """Stream the tokens after `handoff.first_token`. Raises KVHandshakeError before any
         transfer when the producer's layout differs, KVTransferError when the KV is bad."""
         # Refused before any transfer; the producer's lease stays with the caller to release
@@ -81,7 +79,7 @@ class DecodeWorker(KVEndpoint):
                 num_seen = 1
             num_seen += len(new_ids)
             if new_ids or completion.finish_reason is not None:
-                yield DecodeChunk(tuple(new_ids), completion.finish_reason)
+                yield TokenEvent(tuple(new_ids), completion.finish_reason)
 
     async def release(self, handoff: KVHandoff) -> None:
         """Give up a handoff without decoding it: the producer's KV is freed now, not at expiry."""

@@ -6,7 +6,8 @@
 
 Also the import path of a Serve config (`import_path: deploy.app:build_app`, `args:` = the
 AppConfig tree, validated by Serve against the annotation). Each pool is built by the same
-helper; options come from the pool's config, so a YAML can resize a pool without code.
+helper; options come from the pool's config, so a YAML can resize a pool without code. Each
+deployment is bound to its own frozen settings record (deploy/settings.py), never the config.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from autoscaling.serve_policy import autoscaling_config_for
+from control.keys import REDIS_URL_ENV
+from decode_workers.colocated import ColocatedServer
 from decode_workers.deployment import DecodeServer
-from deploy.autoscaling.serve_policy import autoscaling_config_for
 from deploy.config import AppConfig, PoolName
-from deploy.control.keys import REDIS_URL_ENV
-from engine.colocated import ColocatedServer
+from deploy.settings import replica_settings, router_settings, transfer_settings
 from kv_transfer.base import make_backend
 from prefill_workers.deployment import PrefillServer
 from router.ingress import Router
@@ -104,7 +106,7 @@ def _replica_count(config: AppConfig, pool: PoolName) -> dict[str, Any]:
 
 def _pool(config: AppConfig, pool: PoolName) -> Application:
     deployment = serve.deployment(_SERVERS[pool]).options(**deployment_options(config, pool))
-    return deployment.bind(config)
+    return deployment.bind(replica_settings(config, pool))
 
 
 def build_app(config: AppConfig) -> Application:
@@ -124,15 +126,11 @@ def build_app(config: AppConfig) -> Application:
         ray_actor_options={"num_cpus": 0},
     )
     if config.topology == "colocated":
-        return router.bind(config, _pool(config, "engine"))
+        return router.bind(router_settings(config), _pool(config, "engine"))
     # Fails here, before any replica starts, when the backend's package is missing.
-    idempotent = make_backend_release_idempotent(config)
+    idempotent = make_backend(transfer_settings(config)).release_is_idempotent
     return router.bind(
-        config, _pool(config, "prefill"), _pool(config, "decode"), release_is_idempotent=idempotent
+        router_settings(config, release_is_idempotent=idempotent),
+        _pool(config, "prefill"),
+        _pool(config, "decode"),
     )
-
-
-def make_backend_release_idempotent(config: AppConfig) -> bool:
-    from deploy.engines import transfer_settings
-
-    return make_backend(transfer_settings(config)).release_is_idempotent

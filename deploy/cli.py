@@ -1,5 +1,6 @@
-"""The `pdserve` command line: run the app locally (`up`, `down`), talk to it (`generate`,
-`status`), and prepare built-in models."""
+"""The `pdserve` command line's deploy side: run the app locally (`up`, `down`), talk to it
+(`generate`, `status`), operate it (`slo`, `scale`), and prepare built-in models. The entry
+point, `pdserve_cli.main`, adds bench's sub-commands (bench sits above deploy)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench.cli import add_bench_commands
 from deploy.cli_ops import add_operator_commands
 from engine.models import builtin_names, resolve_model
 
 LOCAL_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
+
+# Adds sub-commands to `pdserve` (bench.cli.add_bench_commands).
+AddCommands = Callable[[argparse._SubParsersAction], None]
 
 
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
@@ -143,7 +146,7 @@ def _generate_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray."
     )
@@ -191,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     add_operator_commands(commands)
-    add_bench_commands(commands)
+    for add_commands in more_commands:
+        add_commands(commands)
 
     model = commands.add_parser("model", help="prepare built-in models")
     model_commands = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
@@ -203,15 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    """Parse `argv` and run its command; a ValueError or RuntimeError is one line, exit 2."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args))
     except (ValueError, RuntimeError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """`pdserve slo` and `pdserve scale`: change a running app's SLO, pins and bounds in Redis.
 
-The Serve autoscaling policies read them within about a second (deploy/autoscaling/
-serve_policy.py), so no redeploy is needed. The app and its Redis come from the local run
+The Serve autoscaling policies read them within about a second (autoscaling/
+control_reader.py), so no redeploy is needed. The app and its Redis come from the local run
 (`pdserve up`), or from --redis-url (or PDSERVE_REDIS_URL) and --app on a cluster.
 
     pdserve slo get
@@ -14,20 +14,25 @@ serve_policy.py), so no redeploy is needed. The app and its Redis come from the 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
 import redis
 
-from deploy.autoscaling import operator
-from deploy.control.keys import POOLS, REDIS_URL_ENV
+from control.keys import POOLS, REDIS_URL_ENV
+from control.sync_store import SyncControlStore
 
 
 class Target(NamedTuple):
     redis_url: str
     app: str
+
+    def store(self) -> SyncControlStore:
+        return SyncControlStore.connect(self.redis_url, self.app)
 
 
 def add_operator_commands(commands: argparse._SubParsersAction) -> None:
@@ -56,7 +61,8 @@ def add_operator_commands(commands: argparse._SubParsersAction) -> None:
 
 def cmd_slo_get(args: argparse.Namespace) -> int:
     def run(target: Target) -> str:
-        slo = operator.get_slo(target.redis_url, target.app)
+        with target.store() as store:
+            slo = store.get_slo()
         if slo is None:
             return f"{target.app}: no SLO set; the pools use their configured defaults"
         return f"{target.app}: SLO TTFT P95 {_fmt(slo.ttft_p95_s)}, TPOT P95 {_fmt(slo.tpot_p95_s)}"
@@ -66,7 +72,8 @@ def cmd_slo_get(args: argparse.Namespace) -> int:
 
 def cmd_slo_set(args: argparse.Namespace) -> int:
     def run(target: Target) -> str:
-        slo = operator.set_slo(target.redis_url, target.app, args.ttft_p95, args.tpot_p95)
+        with target.store() as store:
+            slo = store.set_slo(args.ttft_p95, args.tpot_p95)
         return (
             f"{target.app}: SLO set to TTFT P95 {_fmt(slo.ttft_p95_s)}, "
             f"TPOT P95 {_fmt(slo.tpot_p95_s)} (the autoscalers apply it within a second)"
@@ -77,7 +84,7 @@ def cmd_slo_set(args: argparse.Namespace) -> int:
 
 def cmd_scale(args: argparse.Namespace) -> int:
     def run(target: Target) -> str:
-        url, app, pool = target.redis_url, target.app, args.pool
+        app, pool = target.app, args.pool
         has_bounds = args.min_replicas is not None or args.max_replicas is not None
         if args.replicas is None and not has_bounds:
             raise ValueError("give N, auto, or --min A --max B")
@@ -85,21 +92,24 @@ def cmd_scale(args: argparse.Namespace) -> int:
             raise ValueError("--min and --max go together")
         lines = []
         bounds = None
-        if has_bounds:  # First, so a pin given with them is judged against the new bounds.
-            bounds = operator.set_bounds(url, app, pool, args.min_replicas, args.max_replicas)
-            lines.append(f"{app}: {pool} bounded to [{bounds.min_replicas}, {bounds.max_replicas}]")
-        if args.replicas == "auto":
-            had_pin = operator.unpin(url, app, pool)
-            lines.append(
-                f"{app}: {pool} scales on its SLO" + ("" if had_pin else " (it was not pinned)")
-            )
-        elif args.replicas is not None:
-            num_replicas = _replica_count(args.replicas)
-            operator.pin(url, app, pool, num_replicas)
-            bounds = bounds or operator.get_bounds(url, app, pool)
-            clamped = bounds.clamp(num_replicas) if bounds is not None else num_replicas
-            note = f", clamped to {clamped} by its bounds" if clamped != num_replicas else ""
-            lines.append(f"{app}: {pool} pinned to {num_replicas} replicas{note}")
+        with target.store() as store:
+            if has_bounds:  # First, so a pin given with them is judged against the new bounds.
+                bounds = store.set_bounds(pool, args.min_replicas, args.max_replicas)
+                lines.append(
+                    f"{app}: {pool} bounded to [{bounds.min_replicas}, {bounds.max_replicas}]"
+                )
+            if args.replicas == "auto":
+                had_pin = store.unpin(pool)
+                lines.append(
+                    f"{app}: {pool} scales on its SLO" + ("" if had_pin else " (it was not pinned)")
+                )
+            elif args.replicas is not None:
+                num_replicas = _replica_count(args.replicas)
+                store.pin(pool, num_replicas)
+                bounds = bounds or store.get_bounds(pool)
+                clamped = bounds.clamp(num_replicas) if bounds is not None else num_replicas
+                note = f", clamped to {clamped} by its bounds" if clamped != num_replicas else ""
+                lines.append(f"{app}: {pool} pinned to {num_replicas} replicas{note}")
         return "\n".join(lines)
 
     return _run(args, run)
@@ -143,9 +153,28 @@ def _add_target_flags(parser: argparse.ArgumentParser) -> None:
 
 def duration_arg(text: str) -> float:
     try:
-        return operator.parse_duration(text)
+        return parse_duration(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)\s*")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in "500ms", "0.5s", "2s" or "1m". A unit is required: a bare "500" could mean
+    milliseconds or seconds, and guessing wrong sets an SLO a thousand times off."""
+    match = _DURATION.fullmatch(text)
+    if match is None:
+        raise ValueError(
+            f"duration must be a number with a unit ms, s or m (e.g. 500ms, 0.5s, 1m), got {text!r}"
+        )
+    value, unit = float(match.group(1)), match.group(2)
+    # Divide for ms: 300 / 1000 is exactly 0.3, 300 * 0.001 is not.
+    seconds = value / 1000 if unit == "ms" else value * 60 if unit == "m" else value
+    if not math.isfinite(seconds):
+        raise ValueError(f"duration is out of range: {text!r}")
+    return seconds
 
 
 def _replica_count(text: str) -> int:

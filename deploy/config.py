@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from deploy.autoscaling.config import DEFAULT_CONFIG, AutoscalingConfig, PoolSLO
+from autoscaling.config import DEFAULT_CONFIG, AutoscalingConfig
+from control.records import PoolSLO
 from engine.settings import CPU_BLOCK_MULTIPLE, DEFAULT_CPU_KV_CACHE_BYTES
 
 Topology = Literal["disaggregated", "colocated"]

@@ -6,11 +6,11 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from deploy.autoscaling import operator
-from deploy.autoscaling.config import PoolSLO
-from deploy.control.keys import POOLS
-from deploy.control.records import DecisionRecord, ReplicaStatus
+from control.keys import POOLS
+from control.records import DecisionRecord, PoolSLO
+from control.sync_store import SyncControlStore
 from deploy.local import LocalRun, load_run
+from engine.messages import ReplicaLoad
 
 PERCENTILES = (50.0, 95.0, 99.0)
 METRICS = ("ttft", "tpot", "queue_wait", "prefill", "kv_transfer")
@@ -37,24 +37,24 @@ def format_latencies(samples: dict[str, list[float]]) -> list[str]:
     return lines
 
 
-async def _from_redis(run: LocalRun) -> tuple[dict[str, list[float]], list[ReplicaStatus]]:
+async def _from_redis(run: LocalRun) -> tuple[dict[str, list[float]], list[ReplicaLoad]]:
     """Latency samples the router recorded, and the replicas' last published load."""
-    from deploy.control.store import ControlStore
+    from control.store import ControlStore
 
     store = await ControlStore.connect(run.redis_url, run.app)
     try:
         samples = {m: await store.recent_samples(m, 1000) for m in METRICS}
-        replicas = [r for pool in POOLS for r in await store.replica_statuses(pool)]
+        replicas = [r for pool in POOLS for r in await store.replica_loads(pool)]
         return samples, replicas
     finally:
         await store.close()
 
 
-def format_replicas(replicas: Sequence[ReplicaStatus]) -> list[str]:
+def format_replicas(replicas: Sequence[ReplicaLoad]) -> list[str]:
     lines = [f"  {'replica':<28}{'pending tok':>12}{'running':>9}{'waiting':>9}{'KV used':>9}"]
     for r in replicas:
         lines.append(
-            f"  {r.replica_id:<28}{r.pending_prefill_tokens:>12}{r.num_running:>9}"
+            f"  {r.replica_id:<28}{r.num_pending_prefill_tokens:>12}{r.num_running:>9}"
             f"{r.num_waiting:>9}{r.kv_usage:>8.0%}"
         )
     return lines if replicas else ["  (no replica has reported yet)"]
@@ -116,15 +116,16 @@ def print_status() -> int:
             states = ", ".join(f"{s}: {n}" for s, n in sorted(deployment.replica_states.items()))
             print(f"  {name:<12}{states}   {deployment.status}")
     samples, replicas = asyncio.run(_from_redis(run))
-    decisions = operator.recent_decisions(run.redis_url, run.app, n=10)
+    with SyncControlStore.connect(run.redis_url, run.app) as store:
+        decisions = store.recent_decisions(n=10)
+        pins = store.pins()
+        slo = store.get_slo()
     running = (
         {n: int(d.replica_states.get("RUNNING", 0)) for n, d in app.deployments.items()}
         if app is not None
         else {}
     )
     print("autoscaling (prefill on TTFT, decode on TPOT)")
-    pins = operator.pins(run.redis_url, run.app)
-    slo = operator.get_slo(run.redis_url, run.app)
     for line in format_pools(samples, slo, running, pins, decisions):
         print(line)
     print("replicas (last report)")

@@ -13,9 +13,9 @@ import shutil
 import time
 from dataclasses import dataclass
 
+from control.keys import REDIS_URL_ENV
+from control.redis_server import start_redis_server
 from deploy.config import AppConfig
-from deploy.control.keys import REDIS_URL_ENV
-from deploy.control.redis_server import start_redis_server
 from deploy.local import (
     GRPC_SERVICERS,
     RUN_MARKER,

@@ -10,6 +10,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from engine.messages import ReplicaLoad
 from engine.settings import EngineSettings
 from engine.stats import EngineStatsRecorder, stat_logger_factory
 
@@ -37,6 +38,17 @@ def start_async_engine(
     return engine, time.perf_counter() - started
 
 
+def engine_times(metrics: object, wall_s: float) -> tuple[float, float]:
+    """(engine queue, prefill compute) seconds from vLLM's per-request stats, whose stamps are
+    engine-core monotonic; the wall time of the call when vLLM reports none."""
+    queued = getattr(metrics, "queued_ts", 0.0) or 0.0
+    scheduled = getattr(metrics, "scheduled_ts", 0.0) or 0.0
+    first = getattr(metrics, "first_token_ts", 0.0) or 0.0
+    if not (0 < queued <= scheduled <= first):
+        return 0.0, wall_s
+    return scheduled - queued, first - scheduled
+
+
 async def kv_cache_is_empty(engine: Any) -> bool:
     """True when no request holds a KV block (the scheduler refuses a prefix-cache reset while
     any block is in use, so this is a strict, fresh check, not a sampled statistic)."""
@@ -52,6 +64,27 @@ class ServedEngine:
         self.engine: Any = None
         self.start_seconds = 0.0
         self.stats = EngineStatsRecorder()
+
+    def start(self) -> None:
+        """Build and start `self.engine` (blocking: 25-45 s per engine on CPU)."""
+        raise NotImplementedError
+
+    def load(self, pool: str, num_pending_prefill_tokens: int = 0) -> ReplicaLoad:
+        """This engine's load now, from its stat logger's latest step and its KV capacity."""
+        latest = self.stats.latest
+        total = int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0)
+        kv_usage = min(1.0, max(0.0, latest.kv_cache_usage))
+        return ReplicaLoad(
+            replica_id=self.worker_id,
+            pool=pool,
+            num_pending_prefill_tokens=num_pending_prefill_tokens,
+            num_running=latest.num_running,
+            num_waiting=latest.num_waiting,
+            kv_usage=kv_usage,
+            num_total_blocks=total,
+            num_free_blocks=max(0, total - round(total * kv_usage)),
+            updated_at=time.time(),
+        )
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

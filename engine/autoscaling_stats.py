@@ -13,38 +13,70 @@ Calls, per replica:
                                                                    each Serve record interval
 
 Every `request_started` must end in exactly one `request_finished` or `request_aborted`, or its
-tokens stay pending forever and the pool looks overloaded. Reports use the keys of
-`deploy/autoscaling/serve_metrics.py`; a latency key holds the configured percentile (named
-`_p95_s` whatever it is) or -1.0 when the window holds no sample. Not thread-safe: a Serve
-replica calls it from its one event loop.
+tokens stay pending forever and the pool looks overloaded. Reports use the keys below, which
+the Serve policies read back (autoscaling/serve_metrics.py); a latency key holds the configured
+percentile (named `_p95_s` whatever it is) or NO_SAMPLE when the window holds no sample. Not
+thread-safe: a Serve replica calls it from its one event loop.
+
+Here, in the layer both replica pools import, and not in autoscaling/ (a layer above them):
+`percentile` is also what the policies aggregate with.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, TypeVar
-
-from deploy.autoscaling.serve_metrics import (
-    BUSY_FRACTION,
-    KV_CACHE_USAGE,
-    NO_SAMPLE,
-    NUM_ONGOING_REQUESTS,
-    NUM_PENDING_TOKENS,
-    NUM_RUNNING,
-    NUM_WAITING,
-    PREFILL_TOKENS_PER_S,
-    QUEUE_WAIT_P95_S,
-    TPOT_P95_S,
-    TTFT_P95_S,
-)
-from deploy.autoscaling.signals import TimedSample
-from deploy.autoscaling.signals import percentile as percentile_of
 
 Clock = Callable[[], float]
 T = TypeVar("T")
+
+# A metric cannot be None: an empty window reports this.
+NO_SAMPLE = -1.0
+
+TTFT_P95_S = "ttft_p95_s"
+QUEUE_WAIT_P95_S = "queue_wait_p95_s"
+NUM_PENDING_TOKENS = "num_pending_tokens"
+NUM_ONGOING_REQUESTS = "num_ongoing_requests"
+PREFILL_TOKENS_PER_S = "prefill_tokens_per_s"
+BUSY_FRACTION = "busy_fraction"
+PREFILL_METRIC_KEYS = (
+    TTFT_P95_S,
+    QUEUE_WAIT_P95_S,
+    NUM_PENDING_TOKENS,
+    NUM_ONGOING_REQUESTS,
+    PREFILL_TOKENS_PER_S,
+    BUSY_FRACTION,
+)
+
+TPOT_P95_S = "tpot_p95_s"
+NUM_RUNNING = "num_running"
+NUM_WAITING = "num_waiting"
+KV_CACHE_USAGE = "kv_cache_usage"
+DECODE_METRIC_KEYS = (TPOT_P95_S, NUM_RUNNING, NUM_WAITING, KV_CACHE_USAGE)
+
+
+class TimedSample(NamedTuple):
+    """One latency observation: when it was taken, and its value in seconds."""
+
+    at_s: float
+    value_s: float
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) with linear interpolation (numpy's default); None if empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {q}")
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 class _Started(NamedTuple):
@@ -77,7 +109,7 @@ class _Window:
 
     def _percentile_or_no_sample(self, samples: deque[TimedSample], now_s: float) -> float:
         _expire(samples, now_s - self.window_s, lambda s: s.at_s)
-        value = percentile_of([s.value_s for s in samples], self.percentile)
+        value = percentile([s.value_s for s in samples], self.percentile)
         return NO_SAMPLE if value is None else value
 
 

@@ -3,6 +3,9 @@
 One frozen record per engine. On the CPU build the values that matter are forced here
 (eager mode, block size a multiple of 32, a bounded KV cache, pinned cores); on GPUs vLLM's own
 defaults stand.
+
+    EngineSpec ──resolve(), on the node that serves it──> EngineSettings ──vllm_kwargs()──> vLLM
+    (model name, device "auto")                          (model folder, device detected)
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from engine.platform import Device
+from engine.models import resolve_model
+from engine.platform import Device, detect_device
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig
@@ -26,7 +30,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """How one vLLM engine runs. Build it with `make_engine_settings` or directly in tests."""
+    """How one vLLM engine runs. Built by `EngineSpec.resolve()`, or directly in tests."""
 
     model: Path
     device: Device = "cpu"
@@ -107,3 +111,40 @@ class EngineSettings:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         return AsyncEngineArgs(**self.vllm_kwargs(kv_transfer))
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """An engine as a deployment receives it: the model by name (a built-in name or a local
+    Hugging Face folder) and the device possibly "auto". `resolve()` runs inside the replica, so
+    a built-in model is prepared, and the device detected, on the node that serves it."""
+
+    model: str
+    device: Device | Literal["auto"] = "auto"
+    dtype: DType = "float32"
+    block_size: int | None = CPU_BLOCK_MULTIPLE
+    # Applies on CPU only; a GPU engine sizes its cache by `gpu_memory_utilization`.
+    kv_cache_memory_bytes: int | None = DEFAULT_CPU_KV_CACHE_BYTES
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    seed: int = 0
+    # Applies on CPU only.
+    cpu_cores: tuple[int, ...] | None = None
+    gpu_memory_utilization: float = 0.9
+    served_model_name: str | None = None
+
+    def resolve(self) -> EngineSettings:
+        device = detect_device() if self.device == "auto" else self.device
+        return EngineSettings(
+            model=resolve_model(self.model),
+            device=device,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes if device == "cpu" else None,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            seed=self.seed,
+            cpu_cores=self.cpu_cores if device == "cpu" else None,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            served_model_name=self.served_model_name,
+        )

@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from kv_transfer.handoff import NixlPull, RayPull
+from engine.messages import NixlPull, RayPull
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig

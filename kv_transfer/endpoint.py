@@ -8,6 +8,7 @@ the strict idle check and shutdown. The workers add their half of the request li
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 from engine.async_engine import ServedEngine, start_async_engine
 from engine.settings import EngineSettings
@@ -35,3 +36,20 @@ class KVEndpoint(ServedEngine):
             self.backend.process_env(),
             self.stats,
         )
+
+
+def served_transfer_settings(transfer: TransferSettings) -> TransferSettings:
+    """`transfer` as a Serve replica runs it: the engine announces (nixl) and joins Ray from
+    (ray) its node's address, never "localhost"; the `ray` backend's engine processes join this
+    replica's cluster, and the app's lease registry is started (detached) by whichever replica
+    comes first."""
+    import ray
+
+    transfer = replace(transfer, node_ip=ray.util.get_node_ip_address())
+    if transfer.backend != "ray":
+        return transfer
+    from kv_transfer.ray_lease import start_lease_registry
+
+    joined = replace(transfer, ray_address=ray.get_runtime_context().gcs_address)
+    start_lease_registry(joined.lease_registry, joined.ray_namespace, detached=True)
+    return joined

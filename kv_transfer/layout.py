@@ -6,8 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from engine.messages import KVLayout
 from engine.settings import EngineSettings
-from kv_transfer.handoff import KVLayout
 
 _CHUNK = 8 * 1024 * 1024
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+from engine.messages import NixlPull, RayPull
 from kv_transfer.base import KVBackend, register_backend
-from kv_transfer.handoff import NixlPull, RayPull
 
 
 @register_backend

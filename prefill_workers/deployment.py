@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from deploy.config import AppConfig
-from deploy.engines import engine_settings, served_transfer_settings
 from engine.autoscaling_stats import PrefillWindow
-from engine.replica import ReplicaShell
-from engine.request import GenerationRequest
-from prefill_workers.worker import PrefillResult, PrefillWorker
+from engine.messages import GenerationRequest, PrefillResult
+from kv_transfer.endpoint import served_transfer_settings
+from prefill_workers.replica import ReplicaSettings, ReplicaShell
+from prefill_workers.worker import PrefillWorker
 
 
 class PrefillServer(ReplicaShell):
     pool = "prefill"
 
-    def __init__(self, config: AppConfig) -> None:
-        worker = PrefillWorker(engine_settings(config, "prefill"), served_transfer_settings(config))
-        self.start_engine(worker, config.control.redis_url, config.name)
-        self._window = PrefillWindow(config.autoscaling.window_s, config.autoscaling.percentile)
+    def __init__(self, settings: ReplicaSettings) -> None:
+        transfer = served_transfer_settings(settings.require_transfer())
+        self._worker = PrefillWorker(settings.engine.resolve(), transfer)
+        self.start_engine(self._worker, settings.status)
+        self._window = PrefillWindow(settings.window_s, settings.percentile)
 
     @property
     def num_pending_prefill_tokens(self) -> int:
@@ -25,7 +25,7 @@ class PrefillServer(ReplicaShell):
     async def prefill(self, request: GenerationRequest) -> PrefillResult:
         token = self._window.request_started(request.num_prompt_tokens)
         try:
-            result: PrefillResult = await self._engine_owner.prefill(request)
+            result = await self._worker.prefill(request)
         except BaseException:  # cancelled too: its tokens must not stay pending
             self._window.request_aborted(token)
             raise

@@ -9,26 +9,11 @@ expires): whoever receives a PrefillResult must hand it to `DecodeWorker.decode`
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-from engine.events import engine_times
-from engine.request import GenerationRequest
+from engine.async_engine import engine_times
+from engine.messages import GenerationRequest, KVHandoff, KVTransferError, PrefillResult
 from engine.sampling import to_sampling_params
 from kv_transfer.endpoint import KVEndpoint
-from kv_transfer.handoff import KVHandoff, KVTransferError
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token: int
-    handoff: KVHandoff
-    # Set when the first token already ends the request (stop token, or max_tokens == 1).
-    finish_reason: str | None
-    # Engine compute time (scheduled -> first token) when vLLM reports it, else the wall time
-    # of the engine call.
-    prefill_seconds: float
-    # Time the request waited in the engine's queue before it was scheduled.
-    engine_queue_seconds: float = 0.0
 
 
 class PrefillWorker(KVEndpoint):
@@ -76,4 +61,4 @@ class PrefillWorker(KVEndpoint):
             pull=self.backend.parse_producer_output(params),
         )
         queue_s, compute_s = engine_times(final.metrics, elapsed)
-        return PrefillResult(first_token, handoff, finish_reason, compute_s, queue_s)
+        return PrefillResult(handoff, finish_reason, compute_s, queue_s)

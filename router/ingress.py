@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -20,14 +21,20 @@ from ray import serve
 from api.convert import request_to_body, timings_message, usage_message
 from api.gen import pdserve_pb2
 from api.serve_grpc import SERVICE, MalformedRequest
-from deploy.config import AppConfig
+from control.store import ControlStore
 from engine.models import resolve_model
 from engine.prompts import load_tokenizer
 from router.admission import AdmissionLimits
 from router.metrics import RouterMetrics
 from router.openai_api import error_response, http_app, models_body, openai_generate
 from router.pools import ColocatedEngines, DisaggregatedEngines
-from router.service import Overloaded, PreparedRequest, RouterService, StreamChunk
+from router.service import (
+    EngineStream,
+    Overloaded,
+    PreparedRequest,
+    RouterService,
+    StreamChunk,
+)
 from router.timings import RequestTimings
 from router.validation import InvalidRequest, RequestLimits
 
@@ -48,44 +55,64 @@ def _ready_replicas(app_name: str) -> dict[str, int]:
     return ready
 
 
+async def _record_samples(store: ControlStore, values: dict[str, float | None]) -> None:
+    try:
+        for metric, value in values.items():
+            if value is not None:
+                await store.record_sample(metric, value)
+    except Exception as exc:  # status percentiles are best effort; serving goes on
+        logger.warning("recording latency samples in Redis failed: %s", exc)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """What `build_app` hands the Router deployment: frozen, picklable, no config tree."""
+
+    app: str
+    # A built-in name or a local folder: resolved in the router replica, for its tokenizer.
+    model: str
+    served_name: str | None
+    max_model_len: int
+    max_tokens_limit: int
+    default_max_tokens: int
+    admission: AdmissionLimits
+    # One engine pool serving both phases, instead of a prefill and a decode pool.
+    colocated: bool = False
+    # The decode pool's backend may release a handoff twice (kv_transfer.base.KVBackend).
+    release_is_idempotent: bool = False
+    # Where latency samples go for `pdserve status`; None: nowhere.
+    control_url: str | None = None
+
+
 @serve.ingress(http_app)
 class Router:
-    def __init__(
-        self, config: AppConfig, *handles: Any, release_is_idempotent: bool = False
-    ) -> None:
-        model_path = resolve_model(config.engine.model)
-        self.config = config
-        self.model_id = config.engine.served_name or model_path.name
+    def __init__(self, settings: RouterSettings, *handles: Any) -> None:
+        model_path = resolve_model(settings.model)
+        self.settings = settings
+        self.model_id = settings.served_name or model_path.name
         tokenizer = load_tokenizer(str(model_path))
-        engines: Any
-        if config.topology == "colocated":
+        engines: EngineStream
+        if settings.colocated:
             engines = ColocatedEngines(handles[0])
         else:
-            engines = DisaggregatedEngines(handles[0], handles[1], release_is_idempotent)
+            engines = DisaggregatedEngines(handles[0], handles[1], settings.release_is_idempotent)
         self.service = RouterService(
             tokenizer,
             RequestLimits(
                 served_models=frozenset({self.model_id}),
                 default_model=self.model_id,
-                max_tokens_limit=config.router.max_tokens_limit,
-                default_max_tokens=config.router.default_max_tokens,
+                max_tokens_limit=settings.max_tokens_limit,
+                default_max_tokens=settings.default_max_tokens,
             ),
-            AdmissionLimits(config.router.max_in_flight, config.router.max_queued_prompt_tokens),
-            config.engine.max_model_len,
+            settings.admission,
+            settings.max_model_len,
             engines,
             on_finish=self._on_finish,
         )
-        self.metrics = RouterMetrics(config.name)
-        self.store: Any = None
+        self.metrics = RouterMetrics(settings.app)
         self._background: set[asyncio.Task[Any]] = set()
-        if config.control.redis_url:
-            import redis.asyncio
-
-            from deploy.control.store import ControlStore
-
-            self.store = ControlStore(
-                redis.asyncio.Redis.from_url(config.control.redis_url), config.name
-            )
+        url = settings.control_url
+        self.store = ControlStore.from_url(url, settings.app) if url else None
 
     def _on_finish(self, outcome: str, timings: RequestTimings | None, num_tokens: int) -> None:
         self.metrics.observe(outcome, timings)
@@ -98,17 +125,9 @@ class Router:
             "prefill": timings.prefill_s,
             "kv_transfer": timings.kv_transfer_s if timings.decode_start_s > 0 else None,
         }
-        task = asyncio.ensure_future(self._record_samples(values))
+        task = asyncio.ensure_future(_record_samples(self.store, values))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _record_samples(self, values: dict[str, float | None]) -> None:
-        try:
-            for metric, value in values.items():
-                if value is not None:
-                    await self.store.record_sample(metric, value)
-        except Exception as exc:  # status percentiles are best effort; serving goes on
-            logger.warning("recording latency samples in Redis failed: %s", exc)
 
     # --- OpenAI HTTP -----------------------------------------------------------------------
 
@@ -122,7 +141,7 @@ class Router:
 
     @http_app.get("/v1/models")
     async def models(self) -> Any:
-        return JSONResponse(models_body(self.model_id, self.config.engine.max_model_len))
+        return JSONResponse(models_body(self.model_id, self.settings.max_model_len))
 
     @http_app.get("/health")
     async def http_health(self) -> Any:
@@ -186,7 +205,7 @@ class Router:
         )
 
     async def Health(self, request: Any) -> Any:
-        ready = await asyncio.to_thread(_ready_replicas, self.config.name)
+        ready = await asyncio.to_thread(_ready_replicas, self.settings.app)
         serving = bool(ready) and all(n > 0 for n in ready.values())
         return pdserve_pb2.HealthResponse(
             serving=serving, status="SERVING" if serving else "NOT_SERVING", ready_replicas=ready
@@ -195,9 +214,7 @@ class Router:
     async def ListModels(self, request: Any) -> Any:
         return pdserve_pb2.ListModelsResponse(
             models=[
-                pdserve_pb2.ModelInfo(
-                    id=self.model_id, max_model_len=self.config.engine.max_model_len
-                )
+                pdserve_pb2.ModelInfo(id=self.model_id, max_model_len=self.settings.max_model_len)
             ]
         )
 
@@ -206,7 +223,7 @@ class Router:
     async def Check(self, request: Any) -> Any:
         from grpc_health.v1 import health_pb2
 
-        ready = await asyncio.to_thread(_ready_replicas, self.config.name)
+        ready = await asyncio.to_thread(_ready_replicas, self.settings.app)
         serving = bool(ready) and all(n > 0 for n in ready.values())
         status = (
             health_pb2.HealthCheckResponse.SERVING

@@ -13,11 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from decode_workers.worker import DecodeChunk
-from engine.events import TokenEvent
-from engine.request import GenerationRequest
-from kv_transfer.handoff import KVHandoff
-from prefill_workers.worker import PrefillResult
+from engine.messages import GenerationRequest, KVHandoff, PrefillResult, TokenEvent
 
 
 class PrefillPort(Protocol):
@@ -32,7 +28,7 @@ class DecodePort(Protocol):
 
     def decode(
         self, request: GenerationRequest, handoff: KVHandoff
-    ) -> AsyncIterator[DecodeChunk]: ...
+    ) -> AsyncIterator[TokenEvent]: ...
 
     async def release(self, handoff: KVHandoff) -> None: ...
 
@@ -49,7 +45,6 @@ async def generate_disaggregated(
             result.finish_reason,
             is_first=True,
             prefill_seconds=result.prefill_seconds,
-            engine_queue_seconds=result.engine_queue_seconds,
         )
         if result.finish_reason is not None:
             return
@@ -57,9 +52,9 @@ async def generate_disaggregated(
         decoding = True
         finished = False
         try:
-            async for chunk in decode.decode(request, result.handoff):
-                finished = chunk.finish_reason is not None
-                yield TokenEvent(chunk.token_ids, chunk.finish_reason)
+            async for event in decode.decode(request, result.handoff):
+                finished = event.finish_reason is not None
+                yield event
         finally:
             if not finished and decode.release_is_idempotent:
                 await decode.release(result.handoff)

@@ -1,19 +1,17 @@
 """Prometheus metrics through Ray's metrics agent (`ray.util.metrics`), exported on each node's
 metrics port and scraped like any Ray metric. Names start with `pdserve_`.
 
-The router records the per-request latencies and outcomes; decode replicas record KV transfer
-seconds and bytes from their engine's connector telemetry.
+The router records the per-request latencies and outcomes here; decode replicas record KV
+transfer seconds and bytes from their engine's connector telemetry (decode_workers/metrics.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from engine.stats import TransferSample
 from router.timings import RequestTimings
 
 _LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
-_BYTES_BOUNDARIES = [2**k for k in range(10, 34, 2)]
 
 
 class RouterMetrics:
@@ -50,32 +48,3 @@ class RouterMetrics:
             self.tpot.observe(timings.mean_tpot_s, tags=self._tags)
         if timings.decode_start_s > 0:
             self.kv_transfer.observe(timings.kv_transfer_s, tags=self._tags)
-
-
-class TransferMetrics:
-    """KV transfers one decode engine made, as its connector timed them."""
-
-    def __init__(self, app: str, backend: str) -> None:
-        from ray.util.metrics import Counter, Histogram
-
-        self._tags = {"app": app, "backend": backend}
-        keys = ("app", "backend")
-        self.seconds = Histogram(
-            "pdserve_kv_transfer_engine_seconds",
-            "one KV transfer as the connector timed it",
-            boundaries=_LATENCY_BOUNDARIES,
-            tag_keys=keys,
-        )
-        self.bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes pulled", tag_keys=keys)
-        self.size = Histogram(
-            "pdserve_kv_transfer_bytes",
-            "bytes per transfer",
-            boundaries=_BYTES_BOUNDARIES,
-            tag_keys=keys,
-        )
-
-    def observe(self, samples: list[TransferSample]) -> None:
-        for sample in samples:
-            self.seconds.observe(sample.seconds, tags=self._tags)
-            self.size.observe(sample.num_bytes, tags=self._tags)
-            self.bytes.inc(sample.num_bytes, tags=self._tags)

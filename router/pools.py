@@ -9,11 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from decode_workers.worker import DecodeChunk
-from engine.events import TokenEvent
-from engine.request import GenerationRequest
-from kv_transfer.handoff import KVHandoff
-from prefill_workers.worker import PrefillResult
+from engine.messages import GenerationRequest, KVHandoff, PrefillResult, TokenEvent
 from router.lifecycle import generate_disaggregated
 
 
@@ -53,7 +49,7 @@ class DecodePool:
 
     async def decode(
         self, request: GenerationRequest, handoff: KVHandoff
-    ) -> AsyncIterator[DecodeChunk]:
+    ) -> AsyncIterator[TokenEvent]:
         async for chunk in _stream_call(
             self._handle.options(stream=True).decode.remote(request, handoff)
         ):

@@ -19,7 +19,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from engine.request import GenerationRequest
+from control.store import ControlStore
+from engine.messages import GenerationRequest, ReplicaLoad
 from kv_transfer.blocks import num_blocks_for
 from router.policy import (
     DecodeReplicaState,
@@ -27,7 +28,7 @@ from router.policy import (
     choose_decode_replica,
     choose_prefill_replica,
 )
-from router.prefix import BlockHash, MatchResult, PrefixIndex, block_hashes
+from router.prefix import BlockHash, MatchResult, PrefixIndex, block_hashes, match_owners
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,16 @@ def _request_of(pending: PendingRequest | None) -> GenerationRequest | None:
         return None
     first = pending.args[0]
     return first if isinstance(first, GenerationRequest) else None
+
+
+def _load_of(replica: RunningReplica) -> ReplicaLoad | None:
+    """What the replica last reported; None before its first report, or when it is garbled
+    (then it is routed to only as a fallback, like one that has not reported)."""
+    try:
+        return ReplicaLoad.from_stats(replica.routing_stats)
+    except (TypeError, ValueError) as exc:
+        logger.debug("ignoring the routing stats of %s: %s", replica.replica_id, exc)
+        return None
 
 
 def _ranked(replicas: Sequence[RunningReplica], chosen: str | None) -> list[list[RunningReplica]]:
@@ -74,13 +85,7 @@ class PrefillRequestRouter(RequestRouter):
         self._block_size = block_size
         self._prefix_ttl_s = prefix_ttl_s
         self._local_index = PrefixIndex(ttl_seconds=prefix_ttl_s)
-        self._store: Any = None
-        if redis_url:
-            import redis.asyncio
-
-            from deploy.control.store import ControlStore
-
-            self._store = ControlStore(redis.asyncio.Redis.from_url(redis_url), app_name)
+        self._store = ControlStore.from_url(redis_url, app_name) if redis_url else None
 
     async def choose_replicas(
         self,
@@ -91,14 +96,13 @@ class PrefillRequestRouter(RequestRouter):
         if request is None or not candidate_replicas:
             return [candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        loads = {rid: _load_of(r) for rid, r in by_id.items()}
         states = [
             PrefillReplicaState(
                 replica_id=rid,
-                num_pending_prefill_tokens=int(
-                    (r.routing_stats or {}).get("pending_prefill_tokens", 0)
-                ),
+                num_pending_prefill_tokens=load.num_pending_prefill_tokens if load else 0,
             )
-            for rid, r in by_id.items()
+            for rid, load in loads.items()
         ]
         hashes = block_hashes(request.prompt_token_ids, self._block_size)
         choice = choose_prefill_replica(states, hashes, await self._lookup(hashes, by_id.keys()))
@@ -110,7 +114,8 @@ class PrefillRequestRouter(RequestRouter):
         if self._store is None or not hashes:
             return self._local_index
         try:
-            return _FixedMatch(await self._store.longest_prefix_match(hashes, set(eligible)))
+            owners = await self._store.prefix_owners(hashes)
+            return _FixedMatch(match_owners(owners, set(eligible)))
         except Exception as exc:  # the control plane is advisory for routing
             logger.warning("prefix index lookup failed, routing by load only: %s", exc)
             return self._local_index
@@ -137,23 +142,22 @@ class DecodeRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         request = _request_of(pending_request)
         reported = [
-            r for r in candidate_replicas if (r.routing_stats or {}).get("num_total_blocks")
+            (r, load)
+            for r in candidate_replicas
+            if (load := _load_of(r)) is not None and load.num_total_blocks
         ]
         if request is None or not reported:
             return [candidate_replicas]
-        states = []
-        for replica in reported:
-            stats = replica.routing_stats
-            total = int(stats["num_total_blocks"])
-            states.append(
-                DecodeReplicaState(
-                    replica_id=replica.replica_id.unique_id,
-                    num_free_blocks=min(total, int(stats.get("num_free_blocks", total))),
-                    num_total_blocks=total,
-                    num_running_seqs=int(stats.get("num_running", 0)),
-                    num_waiting_seqs=int(stats.get("num_waiting", 0)),
-                )
+        states = [
+            DecodeReplicaState(
+                replica_id=replica.replica_id.unique_id,
+                num_free_blocks=min(load.num_total_blocks, load.num_free_blocks),
+                num_total_blocks=load.num_total_blocks,
+                num_running_seqs=load.num_running,
+                num_waiting_seqs=load.num_waiting,
             )
+            for replica, load in reported
+        ]
         needed = num_blocks_for(request.num_prompt_tokens + 1, self._block_size)
         choice = choose_decode_replica(states, needed)
         return _ranked(candidate_replicas, choice.replica_id)

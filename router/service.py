@@ -14,8 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.events import TokenEvent
-from engine.request import GenerationRequest
+from engine.messages import GenerationRequest, TokenEvent
 from router.admission import (
     AdmissionLimits,
     AdmissionState,

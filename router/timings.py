@@ -6,9 +6,10 @@
                                                    decode_start_s = decode call - arrival
 
 `queue_wait_s` is everything before the prefill engine started computing: admission, routing,
-the hop and the engine's own queue. `kv_transfer_s` is what the decode engine reported for
-pulling this request's KV when it knows (NIXL/ray telemetry), else the time from the decode call
-to its first token, which also holds one decode step.
+the hop and the engine's own queue. `kv_transfer_s` is the time from the decode call to the
+decode pool's first token, which also holds one decode step (`first_decode_token` takes the
+decode engine's own figure instead, where a caller has one). The wire form and its field
+comments: `Timings` in api/pdserve.proto.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from decode_workers.worker import DecodeWorker
+from engine.messages import GenerationRequest
 from engine.params import GenerationParams
-from engine.request import GenerationRequest
 from kv_transfer.base import TransferSettings
 from prefill_workers.worker import PrefillWorker
 from router.lifecycle import generate_disaggregated

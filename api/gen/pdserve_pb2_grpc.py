@@ -76,7 +76,7 @@ class PDServeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Health(self, request, context):
-        """Whether the router can take traffic, and how many replicas of each pool are ready.
+        """Whether the router can take traffic, and how many replicas of each engine pool run.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

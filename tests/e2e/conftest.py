@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import pytest
 
 from api.client import AsyncPDServeClient, PDServeClient
+from control.redis_server import RedisServer, start_redis_server
+from control.store import ControlStore
 from deploy.config import AppConfig
-from deploy.control.redis_server import RedisServer, start_redis_server
-from deploy.control.store import ControlStore
 
-# --- Redis control plane (deploy/control) -------------------------------------------------
+# --- Redis control plane (control/) -------------------------------------------------
 
 
 @pytest.fixture(scope="session")

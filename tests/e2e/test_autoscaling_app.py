@@ -16,16 +16,21 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from api.client import AsyncPDServeClient
-from deploy.autoscaling import operator
+from control.records import DecisionRecord
+from control.redis_server import RedisServer
+from control.sync_store import SyncControlStore
 from deploy.config import AppConfig
-from deploy.control.records import DecisionRecord
-from deploy.control.redis_server import RedisServer
 from tests.e2e.conftest import ServedApp, ServeProxy
 
 pytestmark = pytest.mark.engine
 
 APP = "autoscale"
 BURST_PROMPT = "prefill burst " * 150  # ~1,200 tokens of the tiny model (context 2,048)
+
+
+def control(url: str, app: str) -> SyncControlStore:
+    """The app's control plane, sync face (what `pdserve slo` / `scale` / `status` use)."""
+    return SyncControlStore.connect(url, app)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +86,7 @@ def _wait(what: str, check: Callable[[], bool], timeout_s: float) -> float:
 
 
 def _decisions(url: str, pool: str) -> list[DecisionRecord]:
-    return operator.recent_decisions(url, APP, n=50, pool=pool)
+    return control(url, APP).recent_decisions(n=50, pool=pool)
 
 
 def _has_target(url: str, pool: str, target: int) -> bool:
@@ -90,7 +95,7 @@ def _has_target(url: str, pool: str, target: int) -> bool:
 
 def _cli(url: str, *args: str) -> str:
     proc = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", *args, "--redis-url", url, "--app", APP],
+        [sys.executable, "-m", "pdserve_cli", *args, "--redis-url", url, "--app", APP],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -165,7 +170,7 @@ def test_scale_pin_and_auto(autoscale_app: ServedApp, redis_server: RedisServer)
     # CPU engine took over two minutes to start.
     _wait("the pinned decode replica", lambda: _running("Decode") == 2, timeout_s=420)
     _cli(url, "scale", "decode", "auto")
-    assert operator.pins(url, APP)["decode"] is None
+    assert control(url, APP).pins()["decode"] is None
     _wait("decode back to 1", lambda: sum(_replicas("Decode").values()) == 1, timeout_s=120)
     downs = [
         d for d in _decisions(url, "decode") if (d.current_replicas, d.target_replicas) == (2, 1)

@@ -17,15 +17,15 @@ from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from deploy.autoscaling import operator
-from deploy.autoscaling.config import PoolSLO
-from deploy.autoscaling.serve_policy import (
+from autoscaling.serve_policy import (
     DecodeAutoscaler,
     PrefillAutoscaler,
     autoscaling_config_for,
 )
+from control.records import PoolSLO
+from control.redis_server import RedisServer
+from control.sync_store import SyncControlStore
 from deploy.cli_ops import add_operator_commands
-from deploy.control.redis_server import RedisServer
 from deploy.local import LocalRun, free_port
 
 # Within the 5 s TTFT SLO but not calm enough to scale down (busy 2 x 0.5 on 1 replica).
@@ -38,6 +38,11 @@ CALM_PREFILL = {
     "busy_fraction": 0.5,
 }
 CALM_DECODE = {"tpot_p95_s": 0.05, "num_running": 8.0, "num_waiting": 0.0, "kv_cache_usage": 0.6}
+
+
+def control(url: str, app: str) -> SyncControlStore:
+    """The app's control plane, sync face (what `pdserve slo` / `scale` / `status` use)."""
+    return SyncControlStore.connect(url, app)
 
 
 class ServedPool:
@@ -113,7 +118,7 @@ def test_ttft_breach_scales_prefill_up_and_logs_why(url: str, app: str) -> None:
     assert isinstance(prefill.instance, PrefillAutoscaler)  # Serve built our class
     assert (prefill.config.upscale_delay_s, prefill.config.downscale_delay_s) == (0.0, 0.0)
     assert prefill.tick({**CALM_PREFILL, "ttft_p95_s": 8.0}) == 3
-    (record,) = operator.recent_decisions(url, app)
+    (record,) = control(url, app).recent_decisions()
     assert (record.pool, record.current_replicas, record.target_replicas) == ("prefill", 2, 3)
     assert record.reason.startswith("up: TTFT P95 8.00s > SLO 5s")
     assert record.inputs["ttft_p95_s"] == 8.0 and record.inputs["slo_ttft_p95_s"] == 5.0
@@ -124,42 +129,42 @@ def test_ttft_breach_scales_prefill_up_and_logs_why(url: str, app: str) -> None:
 def test_calm_load_keeps_the_count_and_logs_once(url: str, app: str) -> None:
     prefill = ServedPool("prefill", app, url)
     assert [prefill.tick(CALM_PREFILL) for _ in range(30)] == [2] * 30
-    (record,) = operator.recent_decisions(url, app)
+    (record,) = control(url, app).recent_decisions()
     assert (record.target_replicas, record.reason) == (2, "hold: within SLO")
 
 
 def test_a_pin_overrides_the_decision_and_obeys_bounds(url: str, app: str) -> None:
     prefill = ServedPool("prefill", app, url)
     prefill.tick(CALM_PREFILL)
-    operator.pin(url, app, "prefill", 5)
+    control(url, app).pin("prefill", 5)
     assert prefill.tick(CALM_PREFILL) == 5
-    operator.set_bounds(url, app, "prefill", 1, 3)
+    control(url, app).set_bounds("prefill", 1, 3)
     assert prefill.tick(CALM_PREFILL) == 3
-    operator.pin(url, app, "prefill", 20)  # Serve's max_replicas (8) bounds it too.
-    operator.set_bounds(url, app, "prefill", 1, 64)
+    control(url, app).pin("prefill", 20)  # Serve's max_replicas (8) bounds it too.
+    control(url, app).set_bounds("prefill", 1, 64)
     assert prefill.tick(CALM_PREFILL) == 8
     # A TTFT breach does not move a pinned pool.
     assert prefill.tick({**CALM_PREFILL, "ttft_p95_s": 30.0}) == 8
-    reasons = [r.reason for r in operator.recent_decisions(url, app)]
+    reasons = [r.reason for r in control(url, app).recent_decisions()]
     assert reasons[:3] == [
         "pinned to 20, clamped to bounds [1, 8]",
         "pinned to 5, clamped to bounds [1, 3]",
         "pinned to 5",
     ]
-    operator.unpin(url, app, "prefill")
-    assert operator.pins(url, app) == {"prefill": None, "decode": None}
+    control(url, app).unpin("prefill")
+    assert control(url, app).pins() == {"prefill": None, "decode": None}
     assert prefill.tick(CALM_PREFILL) == 8
-    assert operator.recent_decisions(url, app, 1)[0].reason == "hold: within SLO"
+    assert control(url, app).recent_decisions(1)[0].reason == "hold: within SLO"
 
 
 def test_set_slo_changes_the_next_decision_without_redeploy(url: str, app: str) -> None:
     prefill = ServedPool("prefill", app, url)
     instance = prefill.instance
     assert prefill.tick(CALM_PREFILL) == 2
-    assert operator.set_slo(url, app, ttft_p95_s=1.0) == PoolSLO(ttft_p95_s=1.0, tpot_p95_s=0.2)
+    assert control(url, app).set_slo(ttft_p95_s=1.0) == PoolSLO(ttft_p95_s=1.0, tpot_p95_s=0.2)
     assert prefill.tick(CALM_PREFILL) == 3
     assert prefill.instance is instance
-    latest = operator.recent_decisions(url, app, 1)[0]
+    latest = control(url, app).recent_decisions(1)[0]
     assert latest.reason.startswith("up: TTFT P95 2.00s > SLO 1s")
     assert latest.inputs["slo_ttft_p95_s"] == 1.0
 
@@ -169,13 +174,13 @@ def test_decode_scales_on_tpot_breach_and_prefill_does_not(url: str, app: str) -
     assert isinstance(decode.instance, DecodeAutoscaler)
     assert decode.tick({**CALM_DECODE, "tpot_p95_s": 0.5}) == 3
     assert prefill.tick(CALM_PREFILL) == 2
-    (up,) = operator.recent_decisions(url, app, pool="decode")
+    (up,) = control(url, app).recent_decisions(pool="decode")
     assert up.reason.startswith("up: TPOT P95 500ms > SLO 200ms")
-    assert operator.recent_decisions(url, app, pool="prefill")[0].target_replicas == 2
+    assert control(url, app).recent_decisions(pool="prefill")[0].target_replicas == 2
     # A KV breach on the 2 replicas that report while the 3rd starts: replicas that have not
     # reported count as starting, and decode holds until they serve.
     assert decode.tick({**CALM_DECODE, "kv_cache_usage": 0.95}, num_replicas=2) == 3
-    assert "1 replicas still starting" in operator.recent_decisions(url, app, 1)[0].reason
+    assert "1 replicas still starting" in control(url, app).recent_decisions(1)[0].reason
 
 
 def test_the_url_can_come_from_the_controller_environment(
@@ -185,7 +190,7 @@ def test_the_url_can_come_from_the_controller_environment(
     prefill = ServedPool("prefill", app, None, url_env="PDSERVE_TEST_REDIS_URL")
     assert "redis://" not in str(prefill.config.policy.policy_kwargs)  # not in Serve's log
     assert prefill.tick(CALM_PREFILL) == 2
-    assert operator.recent_decisions(url, app)[0].reason == "hold: within SLO"
+    assert control(url, app).recent_decisions()[0].reason == "hold: within SLO"
 
 
 def test_redis_down_keeps_deciding_on_defaults_and_says_so(
@@ -249,7 +254,7 @@ def test_cli_sets_the_slo_pins_and_bounds_a_policy_reads(
     assert cli("slo", "set", "--ttft-p95", "300ms") == 0
     assert cli("slo", "set", "--tpot-p95", "0.06s") == 0
     assert "TTFT P95 300 ms, TPOT P95 60 ms" in capsys.readouterr().out.splitlines()[-1]
-    assert operator.get_slo(cli.url, cli.app) == PoolSLO(0.3, 0.06)
+    assert control(cli.url, cli.app).get_slo() == PoolSLO(0.3, 0.06)
 
     assert cli("scale", "decode", "--min", "2", "--max", "6") == 0
     assert cli("scale", "decode", "9") == 0
@@ -259,7 +264,7 @@ def test_cli_sets_the_slo_pins_and_bounds_a_policy_reads(
     ]
     assert ServedPool("decode", cli.app, cli.url).tick(CALM_DECODE) == 6
     assert cli("scale", "decode", "auto") == 0
-    assert operator.pins(cli.url, cli.app)["decode"] is None
+    assert control(cli.url, cli.app).pins()["decode"] is None
     assert "decode scales on its SLO" in capsys.readouterr().out
 
 
@@ -287,7 +292,7 @@ def test_cli_finds_the_local_run_or_exits_2(cli: Cli, capsys: pytest.CaptureFixt
     assert "no local run" in capsys.readouterr().err
     LocalRun("run", cli.app, 1, "127.0.0.1:1", 1, cli.url, 8000, 9000, "/tmp", "/tmp/t").save()
     assert cli("scale", "prefill", "3", target=False) == 0
-    assert operator.pins(cli.url, cli.app)["prefill"] == 3
+    assert control(cli.url, cli.app).pins()["prefill"] == 3
     assert capsys.readouterr().out.strip() == f"{cli.app}: prefill pinned to 3 replicas"
     cli.url = f"redis://127.0.0.1:{free_port()}/0"
     assert cli("slo", "get") == 2

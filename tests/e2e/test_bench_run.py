@@ -137,7 +137,7 @@ def test_cli_run_against_a_running_app_then_compare(
     out = tmp_path / "report"
     run = subprocess.run(
         [
-            sys.executable, "-m", "deploy.cli", "bench", "run", "--target", pd.grpc_target,
+            sys.executable, "-m", "pdserve_cli", "bench", "run", "--target", pd.grpc_target,
             "--app", pd.name, "--label", "disaggregated", "--model", "tiny",
             "--workload", str(workload), "--warmup", "1", "--out", str(out), "--no-progress",
         ],
@@ -150,7 +150,7 @@ def test_cli_run_against_a_running_app_then_compare(
     ]  # fmt: skip
     assert "| disaggregated | 1 req/s | 4/4 |" in (out / "report.md").read_text()
     compared = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "bench", "compare", str(out / "report.json")],
+        [sys.executable, "-m", "pdserve_cli", "bench", "compare", str(out / "report.json")],
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     # One system: nothing to divide by, and the command says so rather than inventing a ratio.

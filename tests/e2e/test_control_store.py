@@ -1,9 +1,11 @@
-"""ControlStore and the private redis-server, against a real redis-server process."""
+"""The control plane's two faces (`ControlStore`, `SyncControlStore`) and the private
+redis-server, against a real redis-server process."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -11,22 +13,24 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from deploy.autoscaling.config import PoolSLO, ReplicaBounds
-from deploy.control.records import DecisionRecord, ReplicaStatus
-from deploy.control.redis_server import RedisServer, start_redis_server
-from deploy.control.store import ControlStore
-from router.prefix import MatchResult, block_hashes
+from control.records import DecisionRecord, PoolSLO, ReplicaBounds
+from control.redis_server import RedisServer, start_redis_server
+from control.store import ControlStore, LoadPublisher
+from control.sync_store import SyncControlStore
+from engine.messages import ReplicaLoad
+from router.prefix import MatchResult, block_hashes, match_owners
 
 
-def make_status(replica_id: str, pool: str = "prefill", age_s: float = 0.0) -> ReplicaStatus:
-    return ReplicaStatus(
+def make_load(replica_id: str, pool: str = "prefill", age_s: float = 0.0) -> ReplicaLoad:
+    return ReplicaLoad(
         replica_id=replica_id,
         pool=pool,
-        healthy=True,
+        num_pending_prefill_tokens=900,
         num_running=3,
         num_waiting=1,
         kv_usage=0.4,
-        pending_prefill_tokens=900,
+        num_total_blocks=100,
+        num_free_blocks=60,
         updated_at=time.time() - age_s,
     )
 
@@ -103,43 +107,53 @@ def test_start_failure_names_the_log(tmp_path: Path) -> None:
 # Store round trips
 
 
-async def test_replica_status_round_trip_and_staleness(control_store: ControlStore) -> None:
-    fresh = [make_status("prefill-1"), make_status("prefill-0", age_s=5)]
-    for status in [*fresh, make_status("prefill-old", age_s=120)]:
-        await control_store.put_replica_status("prefill", status)
-    await control_store.put_replica_status("decode", make_status("decode-0", pool="decode"))
+async def test_replica_load_round_trip_and_staleness(control_store: ControlStore) -> None:
+    fresh = [make_load("prefill-1"), make_load("prefill-0", age_s=5)]
+    for load in [*fresh, make_load("prefill-old", age_s=120)]:
+        await control_store.put_replica_load(load)
+    await control_store.put_replica_load(make_load("decode-0", pool="decode"))
 
-    assert await control_store.replica_statuses("prefill") == sorted(
-        fresh, key=lambda status: status.replica_id
+    assert await control_store.replica_loads("prefill") == sorted(
+        fresh, key=lambda load: load.replica_id
     )
-    assert len(await control_store.replica_statuses("prefill", max_age_s=600)) == 3
-    assert [s.replica_id for s in await control_store.replica_statuses("decode")] == ["decode-0"]
+    assert len(await control_store.replica_loads("prefill", max_age_s=600)) == 3
+    assert [s.replica_id for s in await control_store.replica_loads("decode")] == ["decode-0"]
+    with pytest.raises(ValueError, match="pool must be one of"):
+        await control_store.put_replica_load(make_load("engine-0", pool="engine"))
 
-    await control_store.remove_replica("prefill", "prefill-1")
-    assert [s.replica_id for s in await control_store.replica_statuses("prefill")] == ["prefill-0"]
-    with pytest.raises(ValueError, match="decode replica put under pool 'prefill'"):
-        await control_store.put_replica_status("prefill", make_status("d", pool="decode"))
+
+async def test_a_replica_publishes_its_load_through_a_pickled_publisher(
+    control_store: ControlStore, redis_server: RedisServer
+) -> None:
+    # What build_app puts in a pool's settings and Serve pickles into the replica.
+    publisher = pickle.loads(pickle.dumps(LoadPublisher(redis_server.url, control_store.app)))
+    await publisher.publish(make_load("decode-7", pool="decode"))
+    await publisher.publish(make_load("decode-7", pool="decode", age_s=1))  # the latest wins
+    (stored,) = await control_store.replica_loads("decode")
+    assert stored.replica_id == "decode-7" and stored.updated_at < time.time() - 0.5
+    assert redis_server.password not in repr(publisher)
 
 
 async def test_prefix_index_match_and_expiry(control_store: ControlStore) -> None:
-    hashes = block_hashes(list(range(40)), block_size=8)  # 5 full blocks.
+    async def longest_match(hashes: list[bytes], eligible: set[str] | None = None) -> MatchResult:
+        return match_owners(await control_store.prefix_owners(hashes), eligible)
+
+    hashes = list(block_hashes(list(range(40)), block_size=8))  # 5 full blocks.
     assert await control_store.prefix_owners(hashes) == [None] * 5
-    assert await control_store.longest_prefix_match(hashes) == MatchResult(None, 0)
+    assert await longest_match(hashes) == MatchResult(None, 0)
 
     await control_store.record_prefix(hashes[:3], "prefill-a", ttl_s=60)
     await control_store.record_prefix(hashes[:2], "prefill-b", ttl_s=2.0)  # Last writer wins.
     assert await control_store.prefix_owners(hashes) == [
         "prefill-b", "prefill-b", "prefill-a", None, None,
     ]  # fmt: skip
-    assert await control_store.longest_prefix_match(hashes) == MatchResult("prefill-a", 3)
-    assert await control_store.longest_prefix_match(hashes, {"prefill-b"}) == MatchResult(
-        "prefill-b", 2
-    )
+    assert await longest_match(hashes) == MatchResult("prefill-a", 3)
+    assert await longest_match(hashes, {"prefill-b"}) == MatchResult("prefill-b", 2)
 
     await asyncio.sleep(2.3)
     # Block 0 expired, so nothing chains from it even though block 2 is still owned.
     assert await control_store.prefix_owners(hashes[:3]) == [None, None, "prefill-a"]
-    assert await control_store.longest_prefix_match(hashes) == MatchResult(None, 0)
+    assert await longest_match(hashes) == MatchResult(None, 0)
     assert await control_store.prefix_owners([]) == []
 
 
@@ -165,45 +179,50 @@ async def test_default_sample_cap(control_store: ControlStore) -> None:
     assert samples[-1] == 2099.0 - 2047
 
 
-async def test_slo_bounds_and_pins(control_store: ControlStore) -> None:
-    assert await control_store.get_slo() is None
-    assert await control_store.get_bounds("prefill") is None
-    assert await control_store.get_pin("decode") is None
+def test_slo_bounds_and_pins(control_store: ControlStore, redis_server: RedisServer) -> None:
+    with SyncControlStore.connect(redis_server.url, control_store.app) as store:
+        assert store.get_slo() is None
+        assert store.get_bounds("prefill") is None
+        assert store.pins() == {"prefill": None, "decode": None}
 
-    slo = PoolSLO(ttft_p95_s=2.0, tpot_p95_s=0.1)
-    await control_store.set_slo(slo)
-    await control_store.set_bounds("prefill", ReplicaBounds(min_replicas=1, max_replicas=6))
-    await control_store.set_pin("decode", 4)
-    assert await control_store.get_slo() == slo
-    assert await control_store.get_bounds("prefill") == ReplicaBounds(1, 6)
-    assert await control_store.get_bounds("decode") is None
-    assert await control_store.get_pin("decode") == 4
-    assert await control_store.get_pin("prefill") is None
+        assert store.set_slo(ttft_p95_s=2.0) == PoolSLO(ttft_p95_s=2.0, tpot_p95_s=0.2)
+        assert store.set_slo(tpot_p95_s=0.1) == PoolSLO(ttft_p95_s=2.0, tpot_p95_s=0.1)
+        assert store.set_bounds("prefill", 1, 6) == ReplicaBounds(1, 6)
+        store.pin("decode", 4)
+        assert store.get_slo() == PoolSLO(ttft_p95_s=2.0, tpot_p95_s=0.1)
+        assert store.get_bounds("prefill") == ReplicaBounds(1, 6)
+        assert store.get_bounds("decode") is None
+        assert store.pins() == {"prefill": None, "decode": 4}
+        assert store.pool_settings("decode") == (PoolSLO(2.0, 0.1), None, 4)
 
-    await control_store.set_pin("decode", 0)
-    assert await control_store.get_pin("decode") == 0
-    await control_store.clear_pin("decode")
-    await control_store.clear_pin("decode")  # Clearing no pin is fine.
-    assert await control_store.get_pin("decode") is None
-    with pytest.raises(ValueError, match="pin must be an int"):
-        await control_store.set_pin("decode", -1)
+        store.pin("decode", 0)
+        assert store.pins()["decode"] == 0
+        assert store.unpin("decode")
+        assert not store.unpin("decode")  # Releasing no pin is fine.
+        assert store.pins()["decode"] is None
+        with pytest.raises(ValueError, match="pin must be an int"):
+            store.pin("decode", -1)
 
 
-async def test_decision_log_order_filter_and_cap(control_store: ControlStore) -> None:
-    assert await control_store.recent_decisions() == []
-    for index in range(150):
-        await control_store.append_decision(
-            make_decision(index, pool="decode" if index % 10 == 0 else "prefill"), cap=120
-        )
-    newest = await control_store.recent_decisions(n=3)
-    assert newest == [make_decision(149), make_decision(148), make_decision(147)]
-    # Decode decisions sit far apart in the shared list: the pool filter pages through it.
-    decode = await control_store.recent_decisions("decode", n=5)
-    assert [record.at - 1_700_000_000 for record in decode] == [140, 130, 120, 110, 100]
-    # The cap kept only the newest 120 (30..149): decode decisions 0, 10, 20 are gone.
-    everything = await control_store.recent_decisions("decode", n=100)
-    assert [record.current_replicas for record in everything][-1] == 30
-    assert len(await control_store.recent_decisions(n=1000)) == 120
+def test_decision_log_order_filter_and_cap(
+    control_store: ControlStore, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("control.sync_store.DECISION_CAP", 120)
+    with SyncControlStore.connect(redis_server.url, control_store.app) as store:
+        assert store.recent_decisions() == []
+        for index in range(150):
+            store.append_decision(
+                make_decision(index, pool="decode" if index % 10 == 0 else "prefill")
+            )
+        newest = store.recent_decisions(n=3)
+        assert newest == [make_decision(149), make_decision(148), make_decision(147)]
+        # Decode decisions sit far apart in the shared list: the pool filter reads past them.
+        decode = store.recent_decisions(5, pool="decode")
+        assert [record.at - 1_700_000_000 for record in decode] == [140, 130, 120, 110, 100]
+        # The cap kept only the newest 120 (30..149): decode decisions 0, 10, 20 are gone.
+        everything = store.recent_decisions(100, pool="decode")
+        assert [record.current_replicas for record in everything][-1] == 30
+        assert len(store.recent_decisions(n=1000)) == 120
 
 
 async def test_apps_do_not_see_each_others_keys(redis_server: RedisServer) -> None:
@@ -211,21 +230,21 @@ async def test_apps_do_not_see_each_others_keys(redis_server: RedisServer) -> No
     two = await ControlStore.connect(redis_server.url, "isolation-two")
     try:
         hashes = block_hashes(list(range(16)), block_size=8)
-        await one.put_replica_status("decode", make_status("decode-0", pool="decode"))
+        await one.put_replica_load(make_load("decode-0", pool="decode"))
         await one.record_prefix(hashes, "prefill-0", ttl_s=60)
         await one.record_sample("tpot", 0.05)
-        await one.set_slo(PoolSLO())
-        await one.set_bounds("decode", ReplicaBounds())
-        await one.set_pin("decode", 2)
-        await one.append_decision(make_decision(1))
+        with SyncControlStore.connect(redis_server.url, "isolation-one") as sync_one:
+            sync_one.set_slo(ttft_p95_s=5.0)
+            sync_one.set_bounds("decode", 1, 64)
+            sync_one.pin("decode", 2)
+            sync_one.append_decision(make_decision(1))
 
-        assert await two.replica_statuses("decode") == []
+        assert await two.replica_loads("decode") == []
         assert await two.prefix_owners(hashes) == [None, None]
         assert await two.recent_samples("tpot") == []
-        assert await two.get_slo() is None
-        assert await two.get_bounds("decode") is None
-        assert await two.get_pin("decode") is None
-        assert await two.recent_decisions() == []
+        with SyncControlStore.connect(redis_server.url, "isolation-two") as sync_two:
+            assert sync_two.pool_settings("decode") == (None, None, None)
+            assert sync_two.recent_decisions() == []
         assert len(app_keys(redis_server, "isolation-one")) == 8
         assert app_keys(redis_server, "isolation-two") == set()
     finally:
@@ -239,11 +258,9 @@ async def test_store_works_on_a_decoding_client(redis_server: RedisServer) -> No
     try:
         await store.record_prefix(block_hashes([1, 2], block_size=2), "prefill-0", ttl_s=5)
         await store.record_sample("queue_wait", 0.5)
-        await store.set_pin("prefill", 3)
-        await store.put_replica_status("prefill", make_status("prefill-0"))
+        await store.put_replica_load(make_load("prefill-0"))
         assert await store.prefix_owners(block_hashes([1, 2], block_size=2)) == ["prefill-0"]
         assert await store.recent_samples("queue_wait") == [0.5]
-        assert await store.get_pin("prefill") == 3
-        assert len(await store.replica_statuses("prefill")) == 1
+        assert len(await store.replica_loads("prefill")) == 1
     finally:
         await store.close()

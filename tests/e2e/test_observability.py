@@ -1,5 +1,6 @@
 """What operators see: Prometheus metrics through Ray's metrics agent, the prefix index the
-router replicas share through Redis, and the latency samples `pdserve status` reads."""
+router replicas share through Redis, and the latency samples and replica loads `pdserve status`
+reads."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import urllib.request
 import pytest
 
 from api.client import collect
-from deploy.control.redis_server import RedisServer
-from deploy.control.store import ControlStore
+from control.redis_server import RedisServer
+from control.store import ControlStore
 from engine.local import LocalEngine
 from router.prefix import block_hashes
 from tests.e2e.conftest import ServedApp
@@ -81,5 +82,9 @@ async def test_prefix_index_and_samples_are_shared_through_redis(
         assert owners[0] is not None and set(owners) == {owners[0]}
         samples = await store.recent_samples("ttft", 1000)
         assert samples and all(0 < s < 60 for s in samples)
+        # Each pool's replicas publish their load (what `pdserve status` lists).
+        for pool in ("prefill", "decode"):
+            loads = await store.replica_loads(pool)
+            assert loads and all(load.pool == pool for load in loads), pool
     finally:
         await store.close()

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from engine.local import LocalEngine
+from engine.messages import GenerationRequest
 from engine.reference import ReferenceModel
-from engine.request import GenerationRequest
 from engine.stats import KVLoadCounts
 from kv_transfer.base import TransferSettings
 from tests.builders import make_greedy, make_settings, prompt_of_length
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.engine
 
 
 def _on_this_node(transfer: TransferSettings) -> TransferSettings:
-    """What a replica does (deploy/engines.py): announce and join from its own host."""
+    """What a replica does (kv_transfer/endpoint.py): announce and join from its own host."""
     import ray
 
     return replace(transfer, node_ip=ray.util.get_node_ip_address())

@@ -90,7 +90,7 @@ async def test_first_token_is_streamed_before_decode(pd_case: tuple[str, str, Pa
     request = make_request(tuple(range(3, 60)), make_greedy(max_tokens=6, ignore_eos=True))
     async for event in generate_disaggregated(prefill, decode, request):
         events.append(event)
-    assert events[0].from_prefill and len(events[0].token_ids) == 1
-    assert not any(e.from_prefill for e in events[1:])
+    assert events[0].is_first and len(events[0].token_ids) == 1
+    assert not any(e.is_first for e in events[1:])
     assert sum(len(e.token_ids) for e in events) == 6
     assert events[-1].finish_reason == "length"

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from decode_workers.worker import DecodeWorker
-from engine.request import GenerationRequest
-from kv_transfer.handoff import KVHandshakeError, KVTransferError
+from engine.messages import GenerationRequest, KVHandshakeError, KVTransferError
 from prefill_workers.worker import PrefillWorker
 from router.lifecycle import generate_disaggregated
 from tests.builders import make_greedy, make_settings

@@ -8,21 +8,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deploy.autoscaling.config import AutoscalingConfig, PoolSLO, ReplicaBounds
-from deploy.autoscaling.history import ScalingHistory
-from deploy.autoscaling.policy import Decision, decide_decode, decide_prefill
-from deploy.autoscaling.signals import (
+from autoscaling.config import AutoscalingConfig
+from autoscaling.history import ScalingHistory
+from autoscaling.policy import Decision, decide_decode, decide_prefill
+from autoscaling.signals import (
     DecodeReplicaReport,
     DecodeSignals,
     PrefillReplicaReport,
     PrefillSignals,
     RouterQueueReport,
-    TimedSample,
     aggregate_decode,
     aggregate_prefill,
-    percentile,
     window_percentile,
 )
+from control.records import PoolSLO, ReplicaBounds
+from engine.autoscaling_stats import TimedSample, percentile
 
 SLO = PoolSLO(ttft_p95_s=5.0, tpot_p95_s=0.2)
 BOUNDS = ReplicaBounds(1, 16)

@@ -7,13 +7,14 @@ import math
 
 import pytest
 
-from deploy.autoscaling.baseline import queue_length_policies
-from deploy.autoscaling.config import DEFAULT_CONFIG, PoolSLO, ReplicaBounds
-from deploy.autoscaling.pool_policies import slo_policies
-from deploy.autoscaling.profiles import CPU_FP32_1CORE
-from deploy.autoscaling.results import SimResult
-from deploy.autoscaling.simulator import SimSettings, simulate
-from deploy.autoscaling.trace import ArrivalTrace, LengthRange, RateSegment, bursty_trace
+from autoscaling.config import DEFAULT_CONFIG
+from autoscaling.sim.baseline import queue_length_policies
+from autoscaling.sim.pool_policies import slo_policies
+from autoscaling.sim.profiles import CPU_FP32_1CORE
+from autoscaling.sim.results import SimResult
+from autoscaling.sim.simulator import SimSettings, simulate
+from autoscaling.sim.trace import ArrivalTrace, LengthRange, RateSegment, bursty_trace
+from control.records import PoolSLO, ReplicaBounds
 
 SLO = PoolSLO(ttft_p95_s=5.0, tpot_p95_s=0.2)
 SETTINGS = SimSettings(profile=CPU_FP32_1CORE, slo=SLO)
@@ -117,7 +118,7 @@ def test_slo_policy_beats_queue_length_on_the_bursty_trace() -> None:
 
 
 def test_gpu_profile_and_large_pools_run_fast() -> None:
-    from deploy.autoscaling.profiles import GPU_LIKE
+    from autoscaling.sim.profiles import GPU_LIKE
 
     trace = make_trace((300, 40.0), prompt_tokens=LengthRange(512, 4096))
     bounds = ReplicaBounds(1, 2000)

@@ -8,13 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from deploy.autoscaling.config import PoolSLO, ReplicaBounds
-from deploy.autoscaling.history import ScaleEvent, ScalingHistory
-from deploy.autoscaling.operator import ControlReader, ControlSettings, parse_duration
-from deploy.autoscaling.policy import decide_prefill
-from deploy.autoscaling.serve_metrics import (
-    DECODE_METRIC_KEYS,
-    PREFILL_METRIC_KEYS,
+from autoscaling.control_reader import ControlReader, ControlSettings
+from autoscaling.history import ScaleEvent, ScalingHistory
+from autoscaling.policy import decide_prefill
+from autoscaling.serve_metrics import (
     decision_inputs,
     decode_report_from_metrics,
     history_from_state,
@@ -23,8 +20,15 @@ from deploy.autoscaling.serve_metrics import (
     prefill_report_from_metrics,
     reason_kind,
 )
-from deploy.autoscaling.signals import DecodeReplicaReport, PrefillReplicaReport, PrefillSignals
-from engine.autoscaling_stats import DecodeWindow, PrefillWindow
+from autoscaling.signals import DecodeReplicaReport, PrefillReplicaReport, PrefillSignals
+from control.records import PoolSLO, ReplicaBounds
+from deploy.cli_ops import parse_duration
+from engine.autoscaling_stats import (
+    DECODE_METRIC_KEYS,
+    PREFILL_METRIC_KEYS,
+    DecodeWindow,
+    PrefillWindow,
+)
 
 
 class FakeClock:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine.messages import NixlPull, RayPull
 from kv_transfer.base import TransferSettings, backend_names, make_backend
-from kv_transfer.handoff import NixlPull, RayPull
 
 
 def test_builtin_backends_are_registered() -> None:

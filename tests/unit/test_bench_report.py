@@ -154,7 +154,7 @@ def test_prompts_have_the_asked_lengths_and_share_only_the_prefix(tiny_model: Pa
 def test_judging_again_against_another_slo(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from deploy.cli import main
+    from pdserve_cli import main
 
     report = make_report()
     report.save(tmp_path / "report.json")

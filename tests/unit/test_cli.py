@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.cli import build_parser, main
+from pdserve_cli import build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ def test_help_lists_only_working_commands() -> None:
         "up", "down", "status", "generate", "model", "slo", "scale", "bench"
     }  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "pdserve_cli", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "generate" in out and "model" in out
 
@@ -42,7 +42,7 @@ def test_generate_local_runs_an_engine(tiny_model: Path) -> None:
         [
             sys.executable,
             "-m",
-            "deploy.cli",
+            "pdserve_cli",
             "generate",
             "hello",
             "--local",
@@ -65,7 +65,7 @@ def test_generate_reports_bad_input() -> None:
         [
             sys.executable,
             "-m",
-            "deploy.cli",
+            "pdserve_cli",
             "generate",
             "hi",
             "--local",
@@ -90,7 +90,7 @@ def test_commands_without_a_run_say_so(tmp_path: Path) -> None:
         ("status", 1, "nothing is running"),
     ]:
         proc = subprocess.run(
-            [sys.executable, "-m", "deploy.cli", command],
+            [sys.executable, "-m", "pdserve_cli", command],
             capture_output=True,
             text=True,
             cwd=REPO,
@@ -109,7 +109,7 @@ def test_generate_without_a_server_fails_clearly(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "deploy.cli",
+            "pdserve_cli",
             "generate",
             "hi",
             "--target",

@@ -8,36 +8,38 @@ from typing import Any
 
 import pytest
 
-from deploy.autoscaling.config import PoolSLO, ReplicaBounds
-from deploy.control.keys import METRICS, POOLS, ControlKeys
-from deploy.control.records import (
+from control.keys import METRICS, POOLS, ControlKeys
+from control.records import (
     DecisionRecord,
-    ReplicaStatus,
+    PoolSLO,
+    ReplicaBounds,
     decode_bounds,
     decode_decision,
     decode_pin,
-    decode_replica_status,
+    decode_replica_load,
     decode_slo,
     encode_bounds,
     encode_decision,
     encode_pin,
-    encode_replica_status,
+    encode_replica_load,
     encode_slo,
 )
+from engine.messages import ReplicaLoad
 
 
-def make_status(**overrides: Any) -> ReplicaStatus:
+def make_load(**overrides: Any) -> ReplicaLoad:
     fields: dict[str, Any] = {
         "replica_id": "prefill-0",
         "pool": "prefill",
-        "healthy": True,
+        "num_pending_prefill_tokens": 512,
         "num_running": 2,
         "num_waiting": 1,
         "kv_usage": 0.25,
-        "pending_prefill_tokens": 512,
+        "num_total_blocks": 100,
+        "num_free_blocks": 75,
         "updated_at": 1_700_000_000.5,
     }
-    return ReplicaStatus(**(fields | overrides))
+    return ReplicaLoad(**(fields | overrides))
 
 
 def make_decision(**overrides: Any) -> DecisionRecord:
@@ -97,10 +99,18 @@ def test_unknown_pool_metric_or_empty_hash_is_rejected() -> None:
 # Round trips
 
 
-def test_replica_status_round_trip() -> None:
-    status = make_status(healthy=False, kv_usage=1.0, updated_at=12)
-    assert decode_replica_status(encode_replica_status(status)) == status
-    assert decode_replica_status(encode_replica_status(status).encode()) == status
+def test_replica_load_round_trip() -> None:
+    load = make_load(pool="decode", kv_usage=1.0, num_free_blocks=0, updated_at=12)
+    assert decode_replica_load(encode_replica_load(load)) == load
+    assert decode_replica_load(encode_replica_load(load).encode()) == load
+
+
+def test_only_the_scaled_pools_publish_a_status() -> None:
+    with pytest.raises(ValueError, match="pool must be one of"):
+        encode_replica_load(make_load(pool="engine"))
+    data = json.loads(encode_replica_load(make_load())) | {"pool": "router"}
+    with pytest.raises(ValueError, match="pool must be one of"):
+        decode_replica_load(json.dumps(data))
 
 
 def test_decision_round_trip_copies_inputs() -> None:
@@ -122,9 +132,9 @@ def test_slo_bounds_and_pin_round_trip() -> None:
 
 
 def test_unknown_fields_are_ignored_for_newer_writers() -> None:
-    data = json.loads(encode_replica_status(make_status()))
+    data = json.loads(encode_replica_load(make_load()))
     data["gpu_temperature_c"] = 71
-    assert decode_replica_status(json.dumps(data)) == make_status()
+    assert decode_replica_load(json.dumps(data)) == make_load()
 
 
 # Validation
@@ -134,18 +144,19 @@ def test_unknown_fields_are_ignored_for_newer_writers() -> None:
     ("overrides", "message"),
     [
         ({"replica_id": ""}, "replica_id"),
-        ({"pool": "router"}, "pool"),
+        ({"pool": ""}, "pool"),
         ({"num_running": -1}, "num_running"),
         ({"num_waiting": -1}, "num_waiting"),
-        ({"pending_prefill_tokens": -5}, "pending_prefill_tokens"),
+        ({"num_pending_prefill_tokens": -5}, "num_pending_prefill_tokens"),
+        ({"num_free_blocks": -1}, "num_free_blocks"),
         ({"kv_usage": 1.01}, "kv_usage"),
         ({"kv_usage": -0.1}, "kv_usage"),
         ({"updated_at": float("nan")}, "updated_at"),
     ],
 )
-def test_bad_replica_status_is_rejected(overrides: dict[str, Any], message: str) -> None:
+def test_bad_replica_load_is_rejected(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        make_status(**overrides)
+        make_load(**overrides)
 
 
 @pytest.mark.parametrize(
@@ -163,16 +174,16 @@ def test_bad_decision_is_rejected(overrides: dict[str, Any], message: str) -> No
 
 
 def test_staleness_is_measured_against_the_given_clock() -> None:
-    status = make_status(updated_at=100.0)
-    assert status.is_fresh(now=130.0, max_age_s=30.0)
-    assert not status.is_fresh(now=130.1, max_age_s=30.0)
-    assert status.is_fresh(now=90.0, max_age_s=30.0)  # A reporter whose clock runs ahead.
+    load = make_load(updated_at=100.0)
+    assert load.is_fresh(now=130.0, max_age_s=30.0)
+    assert not load.is_fresh(now=130.1, max_age_s=30.0)
+    assert load.is_fresh(now=90.0, max_age_s=30.0)  # A reporter whose clock runs ahead.
 
 
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("healthy", 1, "'healthy' must be a boolean"),
+        ("num_total_blocks", 1.5, "'num_total_blocks' must be an integer"),
         ("num_running", True, "'num_running' must be an integer"),
         ("num_waiting", 1.5, "'num_waiting' must be an integer"),
         ("kv_usage", "0.5", "'kv_usage' must be a number"),
@@ -180,10 +191,10 @@ def test_staleness_is_measured_against_the_given_clock() -> None:
     ],
 )
 def test_mistyped_status_field_is_named(field: str, value: object, message: str) -> None:
-    data = json.loads(encode_replica_status(make_status()))
+    data = json.loads(encode_replica_load(make_load()))
     data[field] = value
     with pytest.raises(ValueError, match=message):
-        decode_replica_status(json.dumps(data))
+        decode_replica_load(json.dumps(data))
 
 
 def test_malformed_json_is_a_value_error() -> None:
@@ -196,7 +207,7 @@ def test_malformed_json_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="'kv_usage' must be a number"):
         decode_decision(json.dumps(data | {"reason": "x", "inputs": {"kv_usage": None}}))
     with pytest.raises(ValueError, match="not valid JSON"):
-        decode_replica_status("{oops")
+        decode_replica_load("{oops")
     with pytest.raises(ValueError, match="expected a JSON object"):
         decode_slo("[1, 2]")
     with pytest.raises(ValueError, match="max_replicas"):

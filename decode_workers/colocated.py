@@ -1,7 +1,10 @@
-"""ColocatedEngine: one vLLM AsyncLLM serving both phases, no KV transfer.
+"""ColocatedEngine: one vLLM AsyncLLM serving both phases, no KV transfer, and its Serve
+deployment `ColocatedServer`.
 
 The baseline the disaggregated topology is measured against: the same engine settings, the
 same TokenEvent stream (first token flagged with its prefill timings), one engine per replica.
+A decode worker that prefills for itself, hence here (the target design lets every engine take
+either role).
 """
 
 from __future__ import annotations
@@ -9,17 +12,12 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
-from engine.async_engine import ServedEngine, start_async_engine
-from engine.events import TokenEvent, engine_times
-from engine.replica import ReplicaShell
-from engine.request import GenerationRequest
+from engine.async_engine import ServedEngine, engine_times, start_async_engine
+from engine.messages import GenerationRequest, TokenEvent
 from engine.sampling import to_sampling_params
 from engine.settings import EngineSettings
-
-if TYPE_CHECKING:
-    from deploy.config import AppConfig
+from prefill_workers.replica import ReplicaSettings, ReplicaShell
 
 
 class ColocatedEngine(ServedEngine):
@@ -43,13 +41,12 @@ class ColocatedEngine(ServedEngine):
             if not new_ids and completion.finish_reason is None:
                 continue
             if num_seen == 0 and new_ids:
-                queue_s, compute_s = engine_times(output.metrics, time.perf_counter() - started)
+                _, compute_s = engine_times(output.metrics, time.perf_counter() - started)
                 first = TokenEvent(
                     new_ids[:1],
                     completion.finish_reason if len(new_ids) == 1 else None,
                     is_first=True,
                     prefill_seconds=compute_s,
-                    engine_queue_seconds=queue_s,
                 )
                 yield first
                 num_seen = 1
@@ -67,10 +64,9 @@ class ColocatedServer(ReplicaShell):
 
     pool = "engine"
 
-    def __init__(self, config: AppConfig) -> None:
-        from deploy.engines import engine_settings
-
-        self.start_engine(ColocatedEngine(engine_settings(config, "engine")), None, config.name)
+    def __init__(self, settings: ReplicaSettings) -> None:
+        self._engine = ColocatedEngine(settings.engine.resolve())
+        self.start_engine(self._engine, settings.status)
         self._pending_tokens = 0
 
     @property
@@ -81,7 +77,7 @@ class ColocatedServer(ReplicaShell):
         self._pending_tokens += request.num_prompt_tokens
         prefilled = False
         try:
-            async for event in self._engine_owner.generate(request):
+            async for event in self._engine.generate(request):
                 if event.is_first:
                     prefilled = True
                     self._pending_tokens -= request.num_prompt_tokens

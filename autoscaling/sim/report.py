@@ -1,4 +1,4 @@
-"""`python -m deploy.autoscaling.report`: our policy vs the queue-length baseline, same trace.
+"""`python -m autoscaling.sim.report`: our policy vs the queue-length baseline, same trace.
 
 Prints a markdown table and the command that produced it.
 """
@@ -10,13 +10,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-from deploy.autoscaling.baseline import queue_length_policies
-from deploy.autoscaling.config import PoolSLO, ReplicaBounds
-from deploy.autoscaling.pool_policies import slo_policies
-from deploy.autoscaling.profiles import PROFILES
-from deploy.autoscaling.results import SimResult
-from deploy.autoscaling.simulator import SimSettings, simulate
-from deploy.autoscaling.trace import ArrivalTrace, LengthRange, bursty_trace
+from autoscaling.sim.baseline import queue_length_policies
+from autoscaling.sim.pool_policies import slo_policies
+from autoscaling.sim.profiles import PROFILES
+from autoscaling.sim.results import SimResult
+from autoscaling.sim.simulator import SimSettings, simulate
+from autoscaling.sim.trace import ArrivalTrace, LengthRange, bursty_trace
+from control.records import PoolSLO, ReplicaBounds
 
 
 def build_trace(args: argparse.Namespace) -> ArrivalTrace:
@@ -52,7 +52,7 @@ def table(results: Sequence[SimResult]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m deploy.autoscaling.report")
+    parser = argparse.ArgumentParser(prog="python -m autoscaling.sim.report")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu-fp32-1core")
     parser.add_argument("--ttft-slo", type=float, default=5.0, help="TTFT P95 SLO, seconds")
     parser.add_argument("--tpot-slo", type=float, default=0.2, help="TPOT P95 SLO, seconds")
@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
     ]
     elapsed = time.perf_counter() - started
-    command = " ".join(["python -m deploy.autoscaling.report", *(argv or sys.argv[1:])])
+    command = " ".join(["python -m autoscaling.sim.report", *(argv or sys.argv[1:])])
     print(
         f"Profile `{args.profile}`, SLO TTFT P95 {args.ttft_slo:g} s / TPOT P95 "
         f"{args.tpot_slo * 1e3:g} ms, {results[0].num_arrived} requests over "

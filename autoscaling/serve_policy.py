@@ -27,19 +27,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
-from deploy.autoscaling.config import (
-    DEFAULT_CONFIG,
-    DEFAULT_SLO,
-    AutoscalingConfig,
-    PoolSLO,
-    ReplicaBounds,
-)
-from deploy.autoscaling.history import ScalingHistory
-from deploy.autoscaling.operator import ControlReader, ControlSettings
-from deploy.autoscaling.policy import Decision, decide_decode, decide_prefill
-from deploy.autoscaling.serve_metrics import (
-    DECODE_METRIC_KEYS,
-    PREFILL_METRIC_KEYS,
+from autoscaling.config import DEFAULT_CONFIG, DEFAULT_SLO, AutoscalingConfig
+from autoscaling.control_reader import ControlReader, ControlSettings
+from autoscaling.history import ScalingHistory
+from autoscaling.policy import Decision, decide_decode, decide_prefill
+from autoscaling.serve_metrics import (
     decision_inputs,
     decode_report_from_metrics,
     history_from_state,
@@ -48,9 +40,10 @@ from deploy.autoscaling.serve_metrics import (
     prefill_report_from_metrics,
     reason_kind,
 )
-from deploy.autoscaling.signals import aggregate_decode, aggregate_prefill
-from deploy.control.keys import validate_pool
-from deploy.control.records import DecisionRecord
+from autoscaling.signals import aggregate_decode, aggregate_prefill
+from control.keys import validate_pool
+from control.records import DecisionRecord, PoolSLO, ReplicaBounds
+from engine.autoscaling_stats import DECODE_METRIC_KEYS, PREFILL_METRIC_KEYS
 
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext

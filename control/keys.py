@@ -1,6 +1,6 @@
 """Every Redis key pdserve writes, all under `pdserve:{app}:` so apps can share one server.
 
-    pdserve:{app}:replicas:{pool}       hash   replica_id -> ReplicaStatus JSON
+    pdserve:{app}:replicas:{pool}       hash   replica_id -> ReplicaLoad JSON
     pdserve:{app}:prefix:{hash_hex}     string prefill replica id, expires (PX)
     pdserve:{app}:samples:{metric}      list   latency samples in seconds, newest first, capped
     pdserve:{app}:slo                   string PoolSLO JSON

@@ -21,15 +21,16 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from deploy.autoscaling.config import DEFAULT_SLO, PoolSLO
-from deploy.autoscaling.policy import Decision
-from deploy.autoscaling.pool_policies import PoolPolicies
-from deploy.autoscaling.pools import SimPool, stop_if_drained
-from deploy.autoscaling.profiles import CPU_FP32_1CORE, ServiceProfile
-from deploy.autoscaling.replicas import DecodeReplica, PrefillReplica, SimRequest
-from deploy.autoscaling.results import PoolEvent, PoolName, RequestOutcome, SimResult
-from deploy.autoscaling.signals import RouterQueueReport, aggregate_decode, aggregate_prefill
-from deploy.autoscaling.trace import ArrivalTrace
+from autoscaling.config import DEFAULT_SLO
+from autoscaling.policy import Decision
+from autoscaling.signals import RouterQueueReport, aggregate_decode, aggregate_prefill
+from autoscaling.sim.pool_policies import PoolPolicies
+from autoscaling.sim.pools import SimPool, stop_if_drained
+from autoscaling.sim.profiles import CPU_FP32_1CORE, ServiceProfile
+from autoscaling.sim.replicas import DecodeReplica, PrefillReplica, SimRequest
+from autoscaling.sim.results import PoolEvent, PoolName, RequestOutcome, SimResult
+from autoscaling.sim.trace import ArrivalTrace
+from control.records import PoolSLO
 
 
 @dataclass(frozen=True)

@@ -1,3 +1,6 @@
+"""The records that cross a process boundary (engine/messages.py): the handoff's digest and
+handshake, the prefill result, Serve's routing stats as a typed ReplicaLoad."""
+
 from __future__ import annotations
 
 import json
@@ -7,13 +10,15 @@ from dataclasses import replace
 
 import pytest
 
-from kv_transfer.handoff import (
+from engine.messages import (
     KVHandoff,
     KVHandshakeError,
     KVLayout,
     KVTransferError,
     NixlPull,
+    PrefillResult,
     RayPull,
+    ReplicaLoad,
 )
 
 LAYOUT = KVLayout("tiny", "abc123", "float32", 32, 4, 2, 32)
@@ -98,3 +103,40 @@ def test_digest_is_stable_json() -> None:
     assert len(handoff.digest) == 32
     assert handoff.compute_digest() == handoff.digest
     json.dumps(handoff.pull.to_consumer_params(flat_blocks=True))  # type: ignore[union-attr]
+
+
+def test_the_first_token_is_stored_once_in_the_handoff() -> None:
+    result = PrefillResult(make_handoff(first_token=7), None, prefill_seconds=0.1)
+    assert result.first_token == 7
+    assert pickle.loads(pickle.dumps(result)) == result
+
+
+LOAD = ReplicaLoad(
+    replica_id="decode-ab12",
+    pool="decode",
+    num_pending_prefill_tokens=0,
+    num_running=3,
+    num_waiting=1,
+    kv_usage=0.5,
+    num_total_blocks=64,
+    num_free_blocks=32,
+    updated_at=1_700_000_000.0,
+)
+
+
+def test_replica_load_crosses_serve_as_a_dict_and_back() -> None:
+    stats = LOAD.to_stats()
+    assert isinstance(stats, dict) and stats["num_free_blocks"] == 32
+    assert ReplicaLoad.from_stats(stats) == LOAD
+
+
+def test_a_replica_that_has_not_reported_has_no_load() -> None:
+    assert ReplicaLoad.from_stats({}) is None
+    assert ReplicaLoad.from_stats(None) is None
+
+
+def test_incomplete_routing_stats_name_the_missing_field() -> None:
+    stats = LOAD.to_stats()
+    del stats["num_total_blocks"]
+    with pytest.raises(ValueError, match="num_total_blocks"):
+        ReplicaLoad.from_stats(stats)

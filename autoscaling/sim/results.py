@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from deploy.autoscaling.config import PoolSLO
-from deploy.autoscaling.history import ScaleEvent
-from deploy.autoscaling.signals import percentile
+from autoscaling.history import ScaleEvent
+from control.records import PoolSLO
+from engine.autoscaling_stats import percentile
 
 PoolName = Literal["prefill", "decode"]
 

@@ -1,8 +1,8 @@
-"""The contract between replicas and the Serve policies: metric keys and pure codecs.
+"""The policies' side of the contract with the replicas: metric dicts -> typed reports.
 
 Serve carries what a replica's `record_autoscaling_stats()` returns to the controller as a
 `dict[str, float]`, so the windows in `engine/autoscaling_stats.py` flatten their reports into
-the keys below and the policies map them back here:
+the keys defined there and the policies map them back here:
 
     PrefillWindow.report() ─ dict[str, float] ─> Serve ─> prefill_report_from_metrics ─┐
                                                                                       ├─> aggregate
@@ -24,33 +24,22 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from deploy.autoscaling.config import PoolSLO
-from deploy.autoscaling.history import ScaleEvent, ScalingHistory
-from deploy.autoscaling.policy import Decision
-from deploy.autoscaling.signals import DecodeReplicaReport, PrefillReplicaReport
-
-NO_SAMPLE = -1.0
-
-TTFT_P95_S = "ttft_p95_s"
-QUEUE_WAIT_P95_S = "queue_wait_p95_s"
-NUM_PENDING_TOKENS = "num_pending_tokens"
-NUM_ONGOING_REQUESTS = "num_ongoing_requests"
-PREFILL_TOKENS_PER_S = "prefill_tokens_per_s"
-BUSY_FRACTION = "busy_fraction"
-PREFILL_METRIC_KEYS = (
-    TTFT_P95_S,
-    QUEUE_WAIT_P95_S,
-    NUM_PENDING_TOKENS,
-    NUM_ONGOING_REQUESTS,
-    PREFILL_TOKENS_PER_S,
+from autoscaling.history import ScaleEvent, ScalingHistory
+from autoscaling.policy import Decision
+from autoscaling.signals import DecodeReplicaReport, PrefillReplicaReport
+from control.records import PoolSLO
+from engine.autoscaling_stats import (
     BUSY_FRACTION,
+    KV_CACHE_USAGE,
+    NUM_ONGOING_REQUESTS,
+    NUM_PENDING_TOKENS,
+    NUM_RUNNING,
+    NUM_WAITING,
+    PREFILL_TOKENS_PER_S,
+    QUEUE_WAIT_P95_S,
+    TPOT_P95_S,
+    TTFT_P95_S,
 )
-
-TPOT_P95_S = "tpot_p95_s"
-NUM_RUNNING = "num_running"
-NUM_WAITING = "num_waiting"
-KV_CACHE_USAGE = "kv_cache_usage"
-DECODE_METRIC_KEYS = (TPOT_P95_S, NUM_RUNNING, NUM_WAITING, KV_CACHE_USAGE)
 
 
 def prefill_report_from_metrics(metrics: Mapping[str, float]) -> PrefillReplicaReport:

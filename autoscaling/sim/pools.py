@@ -6,9 +6,9 @@ import random
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from deploy.autoscaling.history import ScalingHistory
-from deploy.autoscaling.profiles import ServiceProfile
-from deploy.autoscaling.replicas import DecodeReplica, PrefillReplica, Replica
+from autoscaling.history import ScalingHistory
+from autoscaling.sim.profiles import ServiceProfile
+from autoscaling.sim.replicas import DecodeReplica, PrefillReplica, Replica
 
 R = TypeVar("R", PrefillReplica, DecodeReplica)
 

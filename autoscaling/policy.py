@@ -23,9 +23,10 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from deploy.autoscaling.config import DEFAULT_CONFIG, AutoscalingConfig, PoolSLO, ReplicaBounds
-from deploy.autoscaling.history import ScaleEvent, ScalingHistory, held_since
-from deploy.autoscaling.signals import DecodeSignals, PrefillSignals
+from autoscaling.config import DEFAULT_CONFIG, AutoscalingConfig
+from autoscaling.history import ScaleEvent, ScalingHistory, held_since
+from autoscaling.signals import DecodeSignals, PrefillSignals
+from control.records import PoolSLO, ReplicaBounds
 
 
 class Decision(NamedTuple):

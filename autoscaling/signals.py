@@ -11,29 +11,10 @@ P95s, because the P95 of P95s is not a P95: one slow replica among twenty is the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-
-class TimedSample(NamedTuple):
-    """One latency observation: when it was taken, and its value in seconds."""
-
-    at_s: float
-    value_s: float
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0-100) with linear interpolation (numpy's default); None if empty."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {q}")
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+from engine.autoscaling_stats import TimedSample, percentile
 
 
 def in_window(samples: Iterable[TimedSample], now_s: float, window_s: float) -> list[float]:

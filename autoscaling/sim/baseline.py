@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from deploy.autoscaling.config import DEFAULT_BOUNDS, ReplicaBounds
-from deploy.autoscaling.history import ScaleEvent, ScalingHistory
-from deploy.autoscaling.policy import Decision
-from deploy.autoscaling.pool_policies import PoolPolicies
-from deploy.autoscaling.signals import DecodeSignals, PrefillSignals
+from autoscaling.config import DEFAULT_BOUNDS
+from autoscaling.history import ScaleEvent, ScalingHistory
+from autoscaling.policy import Decision
+from autoscaling.signals import DecodeSignals, PrefillSignals
+from autoscaling.sim.pool_policies import PoolPolicies
+from control.records import ReplicaBounds
 
 
 @dataclass(frozen=True)

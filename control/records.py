@@ -1,5 +1,9 @@
 """What the control plane stores, and its JSON form. Pure: no redis import, tested in ms.
 
+The operator's settings (`PoolSLO`, `ReplicaBounds`, pins) and the autoscaler's decisions
+(`DecisionRecord`) are defined here; a replica's status is the `ReplicaLoad` it reports
+(engine/messages.py), stored as is.
+
 Each `decode_*` takes the raw value Redis returned (str or bytes) and raises ValueError naming
 the field when it is malformed: a bad record written by a buggy or newer writer is an error,
 never a silent default. Unknown fields are ignored so a newer writer can add some.
@@ -11,37 +15,42 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from deploy.autoscaling.config import PoolSLO, ReplicaBounds
-from deploy.control.keys import validate_pool
+from control.keys import validate_pool
+from engine.messages import ReplicaLoad
 
 
 @dataclass(frozen=True)
-class ReplicaStatus:
-    """One replica's load, as it last reported it; `updated_at` is unix seconds."""
+class PoolSLO:
+    """Latency targets, both on the P95 of the recent window."""
 
-    replica_id: str
-    pool: str
-    healthy: bool
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    pending_prefill_tokens: int
-    updated_at: float
+    ttft_p95_s: float = 5.0
+    tpot_p95_s: float = 0.2
 
     def __post_init__(self) -> None:
-        if not self.replica_id:
-            raise ValueError("replica_id must be non-empty")
-        validate_pool(self.pool)
-        for name in ("num_running", "num_waiting", "pending_prefill_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.kv_usage <= 1.0:
-            raise ValueError(f"kv_usage must be in [0, 1], got {self.kv_usage}")
-        _check_timestamp("updated_at", self.updated_at)
+        if self.ttft_p95_s <= 0:
+            raise ValueError(f"ttft_p95_s must be > 0, got {self.ttft_p95_s}")
+        if self.tpot_p95_s <= 0:
+            raise ValueError(f"tpot_p95_s must be > 0, got {self.tpot_p95_s}")
 
-    def is_fresh(self, now: float, max_age_s: float) -> bool:
-        """Reported within `max_age_s` of `now`; a clock slightly ahead still counts as fresh."""
-        return now - self.updated_at <= max_age_s
+
+@dataclass(frozen=True)
+class ReplicaBounds:
+    """The replica range a pool may take; a pin outside it is clamped into it."""
+
+    min_replicas: int = 1
+    max_replicas: int = 64
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 0:
+            raise ValueError(f"min_replicas must be >= 0, got {self.min_replicas}")
+        if self.max_replicas < max(self.min_replicas, 1):
+            raise ValueError(
+                f"max_replicas must be >= max(min_replicas, 1), got {self.max_replicas} "
+                f"with min_replicas {self.min_replicas}"
+            )
+
+    def clamp(self, num_replicas: int) -> int:
+        return max(self.min_replicas, min(self.max_replicas, num_replicas))
 
 
 @dataclass(frozen=True)
@@ -75,20 +84,22 @@ def _dumps(data: dict[str, object]) -> str:
     return json.dumps(data, separators=(",", ":"), sort_keys=True)
 
 
-def encode_replica_status(status: ReplicaStatus) -> str:
-    return _dumps(asdict(status))
+def encode_replica_load(load: ReplicaLoad) -> str:
+    validate_pool(load.pool)
+    return _dumps(asdict(load))
 
 
-def decode_replica_status(raw: str | bytes) -> ReplicaStatus:
-    data = _load_object(raw, "replica status")
-    return ReplicaStatus(
+def decode_replica_load(raw: str | bytes) -> ReplicaLoad:
+    data = _load_object(raw, "replica load")
+    return ReplicaLoad(
         replica_id=_str(data, "replica_id"),
-        pool=_str(data, "pool"),
-        healthy=_bool(data, "healthy"),
+        pool=validate_pool(_str(data, "pool")),
+        num_pending_prefill_tokens=_int(data, "num_pending_prefill_tokens"),
         num_running=_int(data, "num_running"),
         num_waiting=_int(data, "num_waiting"),
         kv_usage=_float(data, "kv_usage"),
-        pending_prefill_tokens=_int(data, "pending_prefill_tokens"),
+        num_total_blocks=_int(data, "num_total_blocks"),
+        num_free_blocks=_int(data, "num_free_blocks"),
         updated_at=_float(data, "updated_at"),
     )
 
@@ -166,13 +177,6 @@ def _str(data: dict[str, object], name: str) -> str:
     value = _require(data, name)
     if not isinstance(value, str):
         raise ValueError(f"field {name!r} must be a string, got {value!r}")
-    return value
-
-
-def _bool(data: dict[str, object], name: str) -> bool:
-    value = _require(data, name)
-    if not isinstance(value, bool):
-        raise ValueError(f"field {name!r} must be a boolean, got {value!r}")
     return value
 
 

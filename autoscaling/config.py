@@ -1,47 +1,15 @@
-"""Autoscaling knobs: the SLO a pool is held to, its replica bounds, and every threshold.
+"""Autoscaling knobs: every threshold of the decisions, and the default SLO and bounds.
 
-All three are frozen and validated on construction, so a decision function never sees a
-negative delay or a `max_replicas` below `min_replicas`. The Ray/Redis shell builds them from
-the operator's settings; tests and the simulator build them directly.
+`AutoscalingConfig` is frozen and validated on construction, so a decision function never sees
+a negative delay. The SLO a pool is held to and its replica bounds (`PoolSLO`, `ReplicaBounds`)
+are the operator's settings, stored in the control plane: they live in `control/records.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class PoolSLO:
-    """Latency targets, both on the P95 of the recent window."""
-
-    ttft_p95_s: float = 5.0
-    tpot_p95_s: float = 0.2
-
-    def __post_init__(self) -> None:
-        if self.ttft_p95_s <= 0:
-            raise ValueError(f"ttft_p95_s must be > 0, got {self.ttft_p95_s}")
-        if self.tpot_p95_s <= 0:
-            raise ValueError(f"tpot_p95_s must be > 0, got {self.tpot_p95_s}")
-
-
-@dataclass(frozen=True)
-class ReplicaBounds:
-    """The replica range a pool may take; a pin outside it is clamped into it."""
-
-    min_replicas: int = 1
-    max_replicas: int = 64
-
-    def __post_init__(self) -> None:
-        if self.min_replicas < 0:
-            raise ValueError(f"min_replicas must be >= 0, got {self.min_replicas}")
-        if self.max_replicas < max(self.min_replicas, 1):
-            raise ValueError(
-                f"max_replicas must be >= max(min_replicas, 1), got {self.max_replicas} "
-                f"with min_replicas {self.min_replicas}"
-            )
-
-    def clamp(self, num_replicas: int) -> int:
-        return max(self.min_replicas, min(self.max_replicas, num_replicas))
+from control.records import PoolSLO, ReplicaBounds
 
 
 @dataclass(frozen=True)

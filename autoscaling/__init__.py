@@ -3,25 +3,20 @@
 | module | what it holds |
 |---|---|
 | `config.py` | `PoolSLO`, `ReplicaBounds`, `AutoscalingConfig` (every threshold, with defaults) |
-| `signals.py` | replica reports, pool signals, `percentile` / `window_percentile`, aggregation |
+| `signals.py` | replica reports, pool signals, `window_percentile`, aggregation |
 | `history.py` | `ScalingHistory` (immutable), `ScaleEvent` |
 | `policy.py` | `decide_prefill`, `decide_decode` -> `Decision` |
-| `baseline.py` | Ray Serve's queue-length policy, for comparison |
-| `profiles.py` | replica service-time models (`CPU_FP32_1CORE`, `CPU_BF16_1CORE`, `GPU_LIKE`) |
-| `trace.py` | seeded arrival traces (piecewise rate, length ranges) |
-| `pool_policies.py` | `PoolPolicies`: one decision function per pool, as the simulator calls them |
-| `replicas.py`, `pools.py`, `simulator.py`, `results.py` | the discrete-event P/D simulator |
-| `report.py` | `python -m deploy.autoscaling.report`: our policy vs the baseline |
+| `sim/` | the discrete-event P/D simulator, the baseline policy and the report |
 
 Nothing here imports ray, vllm, redis or grpc.
 """
 
 from __future__ import annotations
 
-from deploy.autoscaling.config import AutoscalingConfig, PoolSLO, ReplicaBounds
-from deploy.autoscaling.history import ScaleEvent, ScalingHistory
-from deploy.autoscaling.policy import Decision, decide_decode, decide_prefill
-from deploy.autoscaling.signals import (
+from autoscaling.config import AutoscalingConfig
+from autoscaling.history import ScaleEvent, ScalingHistory
+from autoscaling.policy import Decision, decide_decode, decide_prefill
+from autoscaling.signals import (
     DecodeReplicaReport,
     DecodeSignals,
     PrefillReplicaReport,
@@ -29,9 +24,10 @@ from deploy.autoscaling.signals import (
     RouterQueueReport,
     aggregate_decode,
     aggregate_prefill,
-    percentile,
     window_percentile,
 )
+from control.records import PoolSLO, ReplicaBounds
+from engine.autoscaling_stats import percentile
 
 __all__ = [
     "AutoscalingConfig",

@@ -18,8 +18,8 @@ import math
 from collections import deque
 from typing import NamedTuple
 
-from deploy.autoscaling.profiles import ServiceProfile
-from deploy.autoscaling.signals import DecodeReplicaReport, PrefillReplicaReport
+from autoscaling.signals import DecodeReplicaReport, PrefillReplicaReport
+from autoscaling.sim.profiles import ServiceProfile
 
 
 class SimRequest:

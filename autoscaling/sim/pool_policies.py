@@ -5,16 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deploy.autoscaling.config import (
-    DEFAULT_BOUNDS,
-    DEFAULT_CONFIG,
-    AutoscalingConfig,
-    PoolSLO,
-    ReplicaBounds,
-)
-from deploy.autoscaling.history import ScalingHistory
-from deploy.autoscaling.policy import Decision, decide_decode, decide_prefill
-from deploy.autoscaling.signals import DecodeSignals, PrefillSignals
+from autoscaling.config import DEFAULT_BOUNDS, DEFAULT_CONFIG, AutoscalingConfig
+from autoscaling.history import ScalingHistory
+from autoscaling.policy import Decision, decide_decode, decide_prefill
+from autoscaling.signals import DecodeSignals, PrefillSignals
+from control.records import PoolSLO, ReplicaBounds
 
 PrefillPolicy = Callable[[PrefillSignals, ScalingHistory, float], Decision]
 DecodePolicy = Callable[[DecodeSignals, ScalingHistory, float], Decision]

@@ -1,0 +1,40 @@
+"""The KV transfers a decode engine made, as Prometheus metrics through Ray's metrics agent
+(`ray.util.metrics`), from its connector's own timing (NIXL's telemetry, the `ray` connector's).
+The router's per-request metrics are in router/metrics.py.
+"""
+
+from __future__ import annotations
+
+from engine.stats import TransferSample
+
+_SECONDS_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+_BYTES_BOUNDARIES = [2**k for k in range(10, 34, 2)]
+
+
+class TransferMetrics:
+    """KV transfers one decode engine made, as its connector timed them."""
+
+    def __init__(self, app: str, backend: str) -> None:
+        from ray.util.metrics import Counter, Histogram
+
+        self._tags = {"app": app, "backend": backend}
+        keys = ("app", "backend")
+        self.seconds = Histogram(
+            "pdserve_kv_transfer_engine_seconds",
+            "one KV transfer as the connector timed it",
+            boundaries=_SECONDS_BOUNDARIES,
+            tag_keys=keys,
+        )
+        self.bytes = Counter("pdserve_kv_transfer_bytes_total", "KV bytes pulled", tag_keys=keys)
+        self.size = Histogram(
+            "pdserve_kv_transfer_bytes",
+            "bytes per transfer",
+            boundaries=_BYTES_BOUNDARIES,
+            tag_keys=keys,
+        )
+
+    def observe(self, samples: list[TransferSample]) -> None:
+        for sample in samples:
+            self.seconds.observe(sample.seconds, tags=self._tags)
+            self.size.observe(sample.num_bytes, tags=self._tags)
+            self.bytes.inc(sample.num_bytes, tags=self._tags)

@@ -1,0 +1,108 @@
+"""What every engine replica of the Serve app shares (prefill, decode and colocated): the
+settings record `build_app` hands it, and the Serve shell around its engine (id, health, idle,
+the load it reports to its request router and publishes to the control plane).
+
+Here, in the lowest package that holds a deployment; decode_workers/ imports it downward.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from engine.async_engine import ServedEngine
+from engine.messages import ReplicaLoad
+from engine.settings import EngineSpec
+from kv_transfer.base import TransferSettings
+
+logger = logging.getLogger(__name__)
+
+
+class LoadSink(Protocol):
+    """Where a replica publishes its load (`pdserve status`): the control plane's publisher,
+    built by `build_app`, since the replica packages sit below control/."""
+
+    async def publish(self, load: ReplicaLoad) -> None: ...
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """What `build_app` hands one pool's deployment, as Ray Serve LLM hands each of its
+    deployments an LLMConfig: frozen, and picklable (Serve passes it as the init argument)."""
+
+    app: str
+    engine: EngineSpec
+    # The KV transfer; None for the colocated engine, which moves no KV.
+    transfer: TransferSettings | None = None
+    # Where the replica publishes its load; None: no control plane (or a pool nobody scales).
+    status: LoadSink | None = None
+    # The autoscaling window the replica reports on (`record_autoscaling_stats`).
+    window_s: float = 60.0
+    percentile: float = 95.0
+
+    def require_transfer(self) -> TransferSettings:
+        if self.transfer is None:
+            raise ValueError(f"{self.app}: a KV producer or consumer needs transfer settings")
+        return self.transfer
+
+
+def serve_replica_id(default: str) -> str:
+    """The Serve replica's unique id (what the request router sees), or `default` outside Serve."""
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # not inside a Serve replica (engine tests)
+        return default
+
+
+class ReplicaShell:
+    """Mixin for a deployment class holding one started engine in `self._engine_owner`."""
+
+    pool: ClassVar[str]
+    _engine_owner: ServedEngine
+    _status: LoadSink | None = None
+
+    @property
+    def num_pending_prefill_tokens(self) -> int:
+        """Prompt tokens accepted and not yet prefilled (0 for a pool that never prefills)."""
+        return 0
+
+    def start_engine(self, owner: ServedEngine, status: LoadSink | None) -> None:
+        """Name `owner` after this Serve replica (what the request router sees), start its
+        engine, and keep where to publish its load: what every engine deployment does first."""
+        owner.worker_id = f"{self.pool}-{serve_replica_id(owner.worker_id)}"
+        owner.start()
+        self._engine_owner = owner
+        self._status = status
+
+    def on_stats_tick(self) -> None:
+        """Hook run on each routing-stats period (decode exports its KV transfer metrics)."""
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Called by Serve every `request_routing_stats_period_s`; read by the request router."""
+        self.on_stats_tick()
+        load = self._engine_owner.load(self.pool, self.num_pending_prefill_tokens)
+        if self._status is not None:
+            try:
+                await self._status.publish(load)
+            except Exception as exc:  # status is informational; routing and serving go on
+                logger.warning("publishing replica status to Redis failed: %s", exc)
+        return load.to_stats()
+
+    async def check_health(self) -> None:
+        """Serve's health probe: a dead EngineCore marks the replica unhealthy and replaces it."""
+        await self._engine_owner.engine.check_health()
+
+    async def is_idle(self) -> bool:
+        """True when the engine holds no KV block (strict: a prefix-cache reset succeeds)."""
+        return bool(await self._engine_owner.is_idle())
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine_owner.abort(request_id)
+
+    def __del__(self) -> None:
+        owner = getattr(self, "_engine_owner", None)
+        if owner is not None:
+            owner.shutdown()

@@ -1,0 +1,168 @@
+"""In-process fakes of the router's ports, for millisecond tests of the request lifecycle and
+`RouterService` (mini-sglang's offline mode, in spirit): a prefill pool, a decode pool and a
+tokenizer with one token per character. Gates (`asyncio.Event`) hold a call where a test wants
+to cancel it; every handoff made, decoded and released is recorded for the ownership checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from engine.messages import (
+    GenerationRequest,
+    KVHandoff,
+    KVLayout,
+    KVTransferError,
+    PrefillResult,
+    RayPull,
+    TokenEvent,
+)
+from engine.params import GenerationParams
+from router.lifecycle import generate_disaggregated
+
+LAYOUT = KVLayout("fake", "digest", "float32", 32, 2, 2, 16)
+
+
+class FakeTokenizer:
+    """One token per character (id = code point); a chat template of role tags."""
+
+    chat_template: str | None = "<role>content"
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [ord(char) for char in text]}
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], tokenize: bool, add_generation_prompt: bool
+    ) -> str:
+        turns = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return turns + ("<assistant>" if add_generation_prompt else "")
+
+
+def ids(text: str) -> tuple[int, ...]:
+    return tuple(ord(char) for char in text)
+
+
+def make_request(
+    prompt: str = "hello", request_id: str = "req-1", **params: Any
+) -> GenerationRequest:
+    return GenerationRequest(request_id, ids(prompt), GenerationParams(**params))
+
+
+class FakePrefill:
+    """The prefill pool: answers with `first` as the first token and a fresh handoff.
+
+    `gate`: the call waits for it (a cancel can land meanwhile). `error`: raised instead of a
+    result. `abort_fails_prefill`: an abort makes the waiting call fail, as an engine that
+    drops the request before its KV is stored; otherwise the call finishes anyway.
+    """
+
+    def __init__(
+        self,
+        first: str = "W",
+        finish_reason: str | None = None,
+        *,
+        gate: asyncio.Event | None = None,
+        error: Exception | None = None,
+        abort_fails_prefill: bool = False,
+    ) -> None:
+        self.first = first
+        self.finish_reason = finish_reason
+        self.gate = gate
+        self.error = error
+        self.abort_fails_prefill = abort_fails_prefill
+        self.requests: list[GenerationRequest] = []
+        self.handoffs: list[KVHandoff] = []
+        self.aborted: list[str] = []
+        self.started = asyncio.Event()
+
+    async def prefill(self, request: GenerationRequest) -> PrefillResult:
+        self.requests.append(request)
+        self.started.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.error is not None:
+            raise self.error
+        if request.request_id in self.aborted and self.abort_fails_prefill:
+            raise KVTransferError(f"{request.request_id} aborted before its KV was stored")
+        handoff = KVHandoff(
+            backend="ray",
+            producer_id="prefill-0",
+            request_id=request.request_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            first_token=ord(self.first),
+            layout=LAYOUT,
+            lease_expires_at=time.time() + 60,
+            pull=RayPull.from_producer_params({"key": request.request_id}),
+        )
+        self.handoffs.append(handoff)
+        return PrefillResult(handoff, self.finish_reason, prefill_seconds=0.001)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+class FakeDecode:
+    """The decode pool: streams `text` one token per event, the last with `finish_reason`.
+
+    `gate_at`: waits for `gate` before the token of that index. `error_at`: raises a
+    KVTransferError instead of the token of that index.
+    """
+
+    def __init__(
+        self,
+        text: str = "orld",
+        finish_reason: str | None = "length",
+        *,
+        release_is_idempotent: bool = False,
+        gate: asyncio.Event | None = None,
+        gate_at: int = 0,
+        error_at: int | None = None,
+    ) -> None:
+        self.text = text
+        self.finish_reason = finish_reason
+        self._release_is_idempotent = release_is_idempotent
+        self.gate = gate
+        self.gate_at = gate_at
+        self.error_at = error_at
+        self.requests: list[GenerationRequest] = []
+        self.decoded: list[KVHandoff] = []
+        self.released: list[KVHandoff] = []
+        self.waiting = asyncio.Event()
+
+    @property
+    def release_is_idempotent(self) -> bool:
+        return self._release_is_idempotent
+
+    async def decode(
+        self, request: GenerationRequest, handoff: KVHandoff
+    ) -> AsyncIterator[TokenEvent]:
+        self.requests.append(request)
+        self.decoded.append(handoff)
+        for index, char in enumerate(self.text):
+            if self.gate is not None and index == self.gate_at:
+                self.waiting.set()
+                await self.gate.wait()
+            if index == self.error_at:
+                raise KVTransferError(f"decode of {request.request_id} lost its KV")
+            last = index == len(self.text) - 1
+            yield TokenEvent((ord(char),), self.finish_reason if last else None)
+
+    async def release(self, handoff: KVHandoff) -> None:
+        self.released.append(handoff)
+
+
+class FakeEngines:
+    """The disaggregated topology over the two fake pools (`router.service.EngineStream`)."""
+
+    def __init__(self, prefill: FakePrefill, decode: FakeDecode) -> None:
+        self.prefill = prefill
+        self.decode = decode
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        return generate_disaggregated(self.prefill, self.decode, request)

@@ -1,0 +1,149 @@
+"""`generate_disaggregated` over in-process fake pools: the event stream, and that every
+handoff prefill makes ends decoded or released exactly once, whatever stage a cancel, an error
+or an early finish lands in. Milliseconds each; the engine tests run the same code on vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from engine.messages import KVTransferError, TokenEvent
+from router.lifecycle import generate_disaggregated
+from tests.fakes import FakeDecode, FakePrefill, ids, make_request
+
+
+async def collect(events: AsyncIterator[TokenEvent]) -> list[TokenEvent]:
+    return [event async for event in events]
+
+
+def tokens(events: list[TokenEvent]) -> tuple[int, ...]:
+    return tuple(token for event in events for token in event.token_ids)
+
+
+async def test_first_token_then_decode_start_then_the_decoded_tokens() -> None:
+    prefill, decode = FakePrefill("W"), FakeDecode("orld", "length")
+    events = await collect(generate_disaggregated(prefill, decode, make_request()))
+    first, start, *decoded = events
+    assert (first.token_ids, first.is_first, first.finish_reason) == (ids("W"), True, None)
+    assert first.prefill_seconds == 0.001
+    assert (start.token_ids, start.is_decode_start) == ((), True)
+    assert tokens(decoded) == ids("orld") and decoded[-1].finish_reason == "length"
+    assert not any(e.is_first or e.is_decode_start for e in decoded)
+    (handoff,) = prefill.handoffs
+    assert decode.decoded == [handoff] and decode.released == []
+
+
+async def test_a_sampled_request_reaches_both_pools_with_one_pinned_seed() -> None:
+    prefill, decode = FakePrefill(), FakeDecode()
+    await collect(generate_disaggregated(prefill, decode, make_request(temperature=0.8)))
+    (sent_to_prefill,), (sent_to_decode,) = prefill.requests, decode.requests
+    assert sent_to_prefill.params.seed is not None
+    assert sent_to_prefill == sent_to_decode
+
+
+async def test_finishing_at_the_first_token_releases_the_handoff() -> None:
+    prefill, decode = FakePrefill("W", finish_reason="stop"), FakeDecode()
+    events = await collect(generate_disaggregated(prefill, decode, make_request()))
+    assert [(e.token_ids, e.finish_reason) for e in events] == [(ids("W"), "stop")]
+    assert decode.decoded == [] and decode.released == prefill.handoffs
+
+
+@pytest.mark.parametrize("abort_fails_prefill", [False, True])
+async def test_a_cancel_during_prefill_gives_back_what_prefill_made(
+    abort_fails_prefill: bool,
+) -> None:
+    gate = asyncio.Event()
+    prefill = FakePrefill(gate=gate, abort_fails_prefill=abort_fails_prefill)
+    decode = FakeDecode()
+    task = asyncio.ensure_future(collect(generate_disaggregated(prefill, decode, make_request())))
+    await prefill.started.wait()
+    task.cancel()
+    await asyncio.sleep(0)  # the cancel lands: the lifecycle aborts and waits for prefill
+    assert prefill.aborted == ["req-1"]
+    gate.set()  # the engine finishes (or fails) the request the cancel could not stop
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert decode.decoded == []
+    # A handoff made after the cancel is released once; an aborted prefill made none.
+    assert decode.released == prefill.handoffs
+    assert len(prefill.handoffs) == (0 if abort_fails_prefill else 1)
+
+
+@pytest.mark.parametrize("stop_after", ["first", "decode_start"])
+async def test_stopping_before_decode_releases_the_handoff(stop_after: str) -> None:
+    prefill, decode = FakePrefill(), FakeDecode()
+    events = generate_disaggregated(prefill, decode, make_request())
+    first = await anext(events)
+    assert first.is_first
+    if stop_after == "decode_start":
+        assert (await anext(events)).is_decode_start
+    await events.aclose()  # the client went away
+    assert decode.decoded == [] and decode.released == prefill.handoffs
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+async def test_a_cancel_mid_decode_releases_again_only_where_that_is_safe(idempotent: bool) -> None:
+    gate = asyncio.Event()
+    prefill = FakePrefill()
+    decode = FakeDecode("orld", release_is_idempotent=idempotent, gate=gate, gate_at=2)
+    received: list[TokenEvent] = []
+
+    async def consume() -> None:
+        async for event in generate_disaggregated(prefill, decode, make_request()):
+            received.append(event)
+
+    task = asyncio.ensure_future(consume())
+    await decode.waiting.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert tokens(received) == ids("W") + ids("or")
+    assert decode.decoded == prefill.handoffs
+    # Non-idempotent backends: the decode engine owns the lease once it has the request.
+    assert decode.released == (prefill.handoffs if idempotent else [])
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+async def test_a_client_gone_mid_decode_is_a_cancel_too(idempotent: bool) -> None:
+    prefill, decode = FakePrefill(), FakeDecode("orld", release_is_idempotent=idempotent)
+    events = generate_disaggregated(prefill, decode, make_request())
+    received = [await anext(events) for _ in range(3)]  # first, decode start, "o"
+    await events.aclose()
+    assert tokens(received) == ids("Wo")
+    assert decode.released == (prefill.handoffs if idempotent else [])
+
+
+async def test_a_prefill_error_reaches_the_caller_with_nothing_to_release() -> None:
+    prefill = FakePrefill(error=ValueError("prompt has 9000 tokens"))
+    decode = FakeDecode()
+    with pytest.raises(ValueError, match="9000 tokens"):
+        await collect(generate_disaggregated(prefill, decode, make_request()))
+    assert prefill.handoffs == [] and decode.decoded == [] and decode.released == []
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+async def test_a_decode_error_reaches_the_caller_after_the_tokens_sent(idempotent: bool) -> None:
+    prefill = FakePrefill()
+    decode = FakeDecode("orld", release_is_idempotent=idempotent, error_at=2)
+    received: list[TokenEvent] = []
+    with pytest.raises(KVTransferError, match="lost its KV"):
+        async for event in generate_disaggregated(prefill, decode, make_request()):
+            received.append(event)
+    assert tokens(received) == ids("Wor")
+    assert decode.released == (prefill.handoffs if idempotent else [])
+
+
+async def test_a_decode_stream_that_ends_unfinished_is_released_where_safe() -> None:
+    prefill = FakePrefill()
+    decode = FakeDecode("orld", finish_reason=None, release_is_idempotent=True)
+    events = await collect(generate_disaggregated(prefill, decode, make_request()))
+    assert events[-1].finish_reason is None
+    assert decode.released == prefill.handoffs
+
+
+async def test_a_finished_decode_is_never_released_again() -> None:
+    prefill, decode = FakePrefill(), FakeDecode(release_is_idempotent=True)
+    await collect(generate_disaggregated(prefill, decode, make_request()))
+    assert decode.decoded == prefill.handoffs and decode.released == []
