@@ -1,15 +1,17 @@
 """Several hosts on one machine: Linux network namespaces joined by a bridge, and a Ray cluster
 with one node per host.
 
-    root namespace (host a)                namespace pdt-<id>-b (host b)
-    bridge pdt<id>br 198.18.N.1/24 --veth-- pdt<id>b 198.18.N.2/24
-                                   --veth-- pdt<id>c 198.18.N.3/24  namespace pdt-<id>-c (host c)
+    host a (root namespace)  pdt<id>a 198.18.N.1/24 --veth--+
+    host b (pdt-<id>-b)      pdt<id>b 198.18.N.2/24 --veth--+-- bridge pdt<id>br (no address:
+    host c (pdt-<id>-c)      pdt<id>c 198.18.N.3/24 --veth--+   the switch between the hosts)
 
 Each host has its own loopback and its own address, so "localhost" on one host is not another
 host: what dials 127.0.0.1 for a peer fails here as it would across machines. Addresses come
 from 198.18.0.0/15 (RFC 2544, for network tests); N is picked free per run, so two test runs
-on one machine do not collide. Everything is created and removed by name: this module touches
-only the namespaces, links and processes it made.
+on one machine do not collide. Every host reaches the others through a veth "NIC", never from
+an address on the bridge itself: UCX (NIXL's transport) ignores bridge devices by default, so a
+host whose address sits on a bridge cannot be reached over NIXL at all. Everything is created
+and removed by name: this module touches only the namespaces, links and processes it made.
 """
 
 from __future__ import annotations
@@ -91,21 +93,23 @@ class Hosts:
     def create(self) -> None:
         prefix = f"/{self.subnet.prefixlen}"
         self._add("link", self.bridge, ["link", "add", self.bridge, "type", "bridge"])
-        _ip("addr", "add", self.ip("a") + prefix, "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
-        for host in self.names[1:]:
+        for host in self.names:
             ns, inner, outer = self.namespace(host), f"pdt{self.run_id}{host}", self.link(host)
-            assert ns is not None
-            self._add("netns", ns, ["netns", "add", ns])
             self._add("link", outer, ["link", "add", inner, "type", "veth", "peer", "name", outer])
-            _ip("link", "set", inner, "netns", ns)
             _ip("link", "set", outer, "master", self.bridge)
             _ip("link", "set", outer, "up")
-            for args in (
+            setup = [
                 ["addr", "add", self.ip(host) + prefix, "dev", inner],
                 ["link", "set", inner, "up"],
-                ["link", "set", "lo", "up"],
-            ):
+            ]
+            if ns is None:  # host a: the root namespace keeps its end of the pair
+                for args in setup:
+                    _ip(*args)
+                continue
+            self._add("netns", ns, ["netns", "add", ns])
+            _ip("link", "set", inner, "netns", ns)
+            for args in [*setup, ["link", "set", "lo", "up"]]:
                 _ip("netns", "exec", ns, "ip", *args)
 
     def _add(self, kind: str, name: str, args: list[str]) -> None:
@@ -182,6 +186,9 @@ def start_host_cluster(hosts: Hosts, num_cpus: int = 2, timeout_s: float = 180) 
         **ray_auth_env(token_path),
         RUN_MARKER: marker,
         "RAY_USAGE_STATS_ENABLED": "0",
+        # Metrics reach the agents' Prometheus endpoints every 2 s (Ray's default: 10 s), so
+        # tests that read them wait less.
+        "RAY_metrics_report_interval_ms": "2000",
     }
     ray_bin = str(Path(sys.executable).with_name("ray"))
     port = free_port()
