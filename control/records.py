@@ -101,6 +101,9 @@ def decode_replica_load(raw: str | bytes) -> ReplicaLoad:
         num_total_blocks=_int(data, "num_total_blocks"),
         num_free_blocks=_int(data, "num_free_blocks"),
         updated_at=_float(data, "updated_at"),
+        num_kv_loads=_int(data, "num_kv_loads"),
+        num_kv_load_failures=_int(data, "num_kv_load_failures"),
+        num_kv_recomputed_tokens=_int(data, "num_kv_recomputed_tokens"),
     )
 
 

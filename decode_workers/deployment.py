@@ -9,6 +9,7 @@ from decode_workers.metrics import TransferMetrics
 from decode_workers.worker import DecodeWorker
 from engine.autoscaling_stats import DecodeWindow
 from engine.messages import GenerationRequest, KVHandoff, TokenEvent
+from engine.stats import KVLoadCounts
 from kv_transfer.endpoint import served_transfer_settings
 from prefill_workers.replica import ReplicaSettings, ReplicaShell
 
@@ -24,8 +25,9 @@ class DecodeServer(ReplicaShell):
         self._window = DecodeWindow(settings.window_s, settings.percentile)
 
     def on_stats_tick(self) -> None:
-        # Periodic (routing-stats period): export the KV transfers made since the last tick.
+        # Periodic (routing-stats period): export the KV transfers and loads since the last tick.
         self._transfer_metrics.observe(self._worker.stats.take_transfers())
+        self._transfer_metrics.observe_loads(self._worker.stats.kv_loads)
 
     async def decode(
         self, request: GenerationRequest, handoff: KVHandoff
@@ -46,6 +48,10 @@ class DecodeServer(ReplicaShell):
         """Pushed to the Serve controller for the decode pool's SLO policy."""
         latest = self._worker.stats.latest
         return self._window.report(latest.num_running, latest.num_waiting, latest.kv_cache_usage)
+
+    def kv_loads(self) -> KVLoadCounts:
+        """What this replica's KV loads came to so far (tests, and what status shows)."""
+        return self._worker.stats.kv_loads
 
     async def release(self, handoff: KVHandoff) -> None:
         await self._worker.release(handoff)

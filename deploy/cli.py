@@ -68,7 +68,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from deploy.status import print_status
 
-    return print_status()
+    return print_status(args.redis_url, args.app)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -166,6 +166,10 @@ def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
     down.set_defaults(func=_cmd_down)
 
     status = commands.add_parser("status", help="pools, replicas, recent TTFT/TPOT percentiles")
+    status.add_argument(
+        "--redis-url", help="an app's control-plane Redis (default: the local run's)"
+    )
+    status.add_argument("--app", help="with --redis-url: the app's name")
     status.set_defaults(func=_cmd_status)
 
     gen = commands.add_parser("generate", help="generate a completion over gRPC")

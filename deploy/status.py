@@ -37,11 +37,11 @@ def format_latencies(samples: dict[str, list[float]]) -> list[str]:
     return lines
 
 
-async def _from_redis(run: LocalRun) -> tuple[dict[str, list[float]], list[ReplicaLoad]]:
+async def _from_redis(redis_url: str, app: str) -> tuple[dict[str, list[float]], list[ReplicaLoad]]:
     """Latency samples the router recorded, and the replicas' last published load."""
     from control.store import ControlStore
 
-    store = await ControlStore.connect(run.redis_url, run.app)
+    store = await ControlStore.connect(redis_url, app)
     try:
         samples = {m: await store.recent_samples(m, 1000) for m in METRICS}
         replicas = [r for pool in POOLS for r in await store.replica_loads(pool)]
@@ -51,13 +51,32 @@ async def _from_redis(run: LocalRun) -> tuple[dict[str, list[float]], list[Repli
 
 
 def format_replicas(replicas: Sequence[ReplicaLoad]) -> list[str]:
-    lines = [f"  {'replica':<28}{'pending tok':>12}{'running':>9}{'waiting':>9}{'KV used':>9}"]
+    lines = [
+        f"  {'replica':<28}{'pending tok':>12}{'running':>9}{'waiting':>9}{'KV used':>9}"
+        f"{'KV loads':>10}{'failed':>8}{'recomputed tok':>16}"
+    ]
     for r in replicas:
         lines.append(
             f"  {r.replica_id:<28}{r.num_pending_prefill_tokens:>12}{r.num_running:>9}"
-            f"{r.num_waiting:>9}{r.kv_usage:>8.0%}"
+            f"{r.num_waiting:>9}{r.kv_usage:>8.0%}{r.num_kv_loads:>10}"
+            f"{r.num_kv_load_failures:>8}{r.num_kv_recomputed_tokens:>16}"
         )
     return lines if replicas else ["  (no replica has reported yet)"]
+
+
+def kv_load_warnings(replicas: Sequence[ReplicaLoad]) -> list[str]:
+    """One warning line when any decode replica computed prompts whose KV should have been
+    loaded: the transfer path is broken (unreachable producer, handshake, lost objects) and
+    the app is paying for every prompt twice."""
+    failures = sum(r.num_kv_load_failures for r in replicas)
+    if not failures:
+        return []
+    loads = sum(r.num_kv_loads for r in replicas)
+    tokens = sum(r.num_kv_recomputed_tokens for r in replicas)
+    return [
+        f"WARNING: {failures} of {loads} KV loads failed; decode recomputed {tokens} prompt "
+        "tokens (see pdserve_kv_load_failures_total and the decode replicas' logs)"
+    ]
 
 
 def format_pools(
@@ -90,11 +109,46 @@ def format_decisions(decisions: Sequence[DecisionRecord]) -> list[str]:
     return lines or ["  (none yet)"]
 
 
-def print_status() -> int:
-    run = load_run()
-    if run is None:
+def print_status(redis_url: str | None = None, app_name: str | None = None) -> int:
+    """The local run's status; with `redis_url` and `app_name`, any app's control-plane view
+    (replicas, KV loads, latencies, autoscaling) without Serve's replica states."""
+    run = load_run() if redis_url is None or app_name is None else None
+    if run is None and (redis_url is None or app_name is None):
         print("pdserve status: nothing is running (start it with `pdserve up`)")
         return 1
+    running: dict[str, int] = {}
+    if run is not None:
+        redis_url, app_name = run.redis_url, run.app
+        running = _print_serve_status(run)
+    assert redis_url is not None and app_name is not None
+    samples, replicas = asyncio.run(_from_redis(redis_url, app_name))
+    with SyncControlStore.connect(redis_url, app_name) as store:
+        decisions = store.recent_decisions(n=10)
+        latest = [d for d in (store.last_decision(p) for p in ("prefill", "decode")) if d]
+        pins = store.pins()
+        slo = store.get_slo()
+    for line in kv_load_warnings(replicas):
+        print(line)
+    print("autoscaling (prefill on TTFT, decode on TPOT)")
+    for line in format_pools(samples, slo, running, pins, decisions):
+        print(line)
+    print("replicas (last report)")
+    for line in format_replicas(replicas):
+        print(line)
+    print("last decisions (scale events and changes of reason)")
+    for line in format_decisions(decisions):
+        print(line)
+    print("latest evaluation (every policy tick)")
+    for line in format_decisions(latest):
+        print(line)
+    print("recent latencies (last 1000 requests)")
+    for line in format_latencies(samples):
+        print(line)
+    return 0
+
+
+def _print_serve_status(run: LocalRun) -> dict[str, int]:
+    """Serve's view of the local run: app and replica states; RUNNING replicas by deployment."""
     run.use_ray_auth()
     import ray
     from ray import serve
@@ -110,31 +164,10 @@ def print_status() -> int:
         f"app {run.app}: {app.status if app else 'MISSING'}   "
         f"gRPC {run.grpc_target}   HTTP {run.http_url}"
     )
-    if app is not None:
-        print("  pool        replicas (state: count)")
-        for name, deployment in app.deployments.items():
-            states = ", ".join(f"{s}: {n}" for s, n in sorted(deployment.replica_states.items()))
-            print(f"  {name:<12}{states}   {deployment.status}")
-    samples, replicas = asyncio.run(_from_redis(run))
-    with SyncControlStore.connect(run.redis_url, run.app) as store:
-        decisions = store.recent_decisions(n=10)
-        pins = store.pins()
-        slo = store.get_slo()
-    running = (
-        {n: int(d.replica_states.get("RUNNING", 0)) for n, d in app.deployments.items()}
-        if app is not None
-        else {}
-    )
-    print("autoscaling (prefill on TTFT, decode on TPOT)")
-    for line in format_pools(samples, slo, running, pins, decisions):
-        print(line)
-    print("replicas (last report)")
-    for line in format_replicas(replicas):
-        print(line)
-    print("last decisions")
-    for line in format_decisions(decisions):
-        print(line)
-    print("recent latencies (last 1000 requests)")
-    for line in format_latencies(samples):
-        print(line)
-    return 0
+    if app is None:
+        return {}
+    print("  pool        replicas (state: count)")
+    for name, deployment in app.deployments.items():
+        states = ", ".join(f"{s}: {n}" for s, n in sorted(deployment.replica_states.items()))
+        print(f"  {name:<12}{states}   {deployment.status}")
+    return {n: int(d.replica_states.get("RUNNING", 0)) for n, d in app.deployments.items()}

@@ -71,7 +71,7 @@ class ServedEngine:
 
     def load(self, pool: str, num_pending_prefill_tokens: int = 0) -> ReplicaLoad:
         """This engine's load now, from its stat logger's latest step and its KV capacity."""
-        latest = self.stats.latest
+        latest, loads = self.stats.latest, self.stats.kv_loads
         total = int(self.engine.vllm_config.cache_config.num_gpu_blocks or 0)
         kv_usage = min(1.0, max(0.0, latest.kv_cache_usage))
         return ReplicaLoad(
@@ -84,6 +84,9 @@ class ServedEngine:
             num_total_blocks=total,
             num_free_blocks=max(0, total - round(total * kv_usage)),
             updated_at=time.time(),
+            num_kv_loads=loads.num_loads,
+            num_kv_load_failures=loads.num_failures,
+            num_kv_recomputed_tokens=loads.num_recomputed_tokens,
         )
 
     async def abort(self, request_id: str) -> None:

@@ -73,6 +73,12 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
 
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token holds: K and V, every layer and KV head."""
+        item = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
+
     def mismatches(self, other: KVLayout) -> list[str]:
         return [
             f"{f.name}: producer {getattr(self, f.name)!r} != consumer {getattr(other, f.name)!r}"
@@ -226,6 +232,9 @@ class TokenEvent:
     prefill_seconds: float = 0.0
     # An empty event sent just before the decode pool is called (disaggregated only).
     is_decode_start: bool = False
+    # The engine replica (worker id) that produced these tokens: set on the first event of each
+    # phase (prefill's first token; decode's first event), so timings can say who served.
+    replica_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -243,6 +252,11 @@ class ReplicaLoad:
     num_total_blocks: int
     num_free_blocks: int
     updated_at: float
+    # A consumer's KV loads since it started: all of them, the failed ones (the engine computed
+    # the prompt itself, or refused it), and the prompt tokens it recomputed (engine/stats.py).
+    num_kv_loads: int = 0
+    num_kv_load_failures: int = 0
+    num_kv_recomputed_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.replica_id:
@@ -255,6 +269,9 @@ class ReplicaLoad:
             "num_waiting",
             "num_total_blocks",
             "num_free_blocks",
+            "num_kv_loads",
+            "num_kv_load_failures",
+            "num_kv_recomputed_tokens",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -38,6 +38,9 @@ def make_load(**overrides: Any) -> ReplicaLoad:
         "num_total_blocks": 100,
         "num_free_blocks": 75,
         "updated_at": 1_700_000_000.5,
+        "num_kv_loads": 9,
+        "num_kv_load_failures": 2,
+        "num_kv_recomputed_tokens": 300,
     }
     return ReplicaLoad(**(fields | overrides))
 

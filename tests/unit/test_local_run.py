@@ -82,3 +82,18 @@ def test_format_latencies_marks_empty_metrics() -> None:
     assert ttft.split()[1] == "3" and "200ms" in ttft
     tpot = next(line for line in lines if line.strip().startswith("tpot"))
     assert tpot.split()[1:] == ["0", "-", "-", "-"]
+
+
+def test_status_warns_only_when_a_kv_load_failed() -> None:
+    from deploy.status import kv_load_warnings
+    from engine.messages import ReplicaLoad
+
+    def load(replica: str, loads: int, failures: int, tokens: int) -> ReplicaLoad:
+        return ReplicaLoad(replica, "decode", 0, 0, 0, 0.0, 10, 10, 1.0, loads, failures, tokens)
+
+    assert kv_load_warnings([load("decode-a", 5, 0, 0)]) == []
+    warning = kv_load_warnings([load("decode-a", 5, 1, 99), load("decode-b", 3, 2, 40)])
+    assert warning == [
+        "WARNING: 3 of 8 KV loads failed; decode recomputed 139 prompt tokens (see "
+        "pdserve_kv_load_failures_total and the decode replicas' logs)"
+    ]
