@@ -35,6 +35,12 @@ class TimingsLike(Protocol):
     def mean_tpot_s(self) -> float: ...
     @property
     def e2e_s(self) -> float: ...
+    @property
+    def router_replica(self) -> str: ...
+    @property
+    def prefill_replica(self) -> str: ...
+    @property
+    def decode_replica(self) -> str: ...
 
 
 def request_to_body(msg: pdserve_pb2.GenerateRequest) -> dict[str, Any]:
@@ -78,6 +84,9 @@ def timings_message(timings: TimingsLike) -> pdserve_pb2.Timings:
         decode_start_s=timings.decode_start_s,
         mean_tpot_s=timings.mean_tpot_s,
         e2e_s=timings.e2e_s,
+        router_replica=timings.router_replica,
+        prefill_replica=timings.prefill_replica,
+        decode_replica=timings.decode_replica,
     )
 
 

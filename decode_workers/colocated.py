@@ -47,6 +47,7 @@ class ColocatedEngine(ServedEngine):
                     completion.finish_reason if len(new_ids) == 1 else None,
                     is_first=True,
                     prefill_seconds=compute_s,
+                    replica_id=self.worker_id,
                 )
                 yield first
                 num_seen = 1

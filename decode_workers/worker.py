@@ -53,7 +53,7 @@ class DecodeWorker(KVEndpoint):
             kv_transfer_params=self.backend.consumer_request_params(handoff.pull),
         )
         num_seen = 0
-        load_recorded = False
+        load_recorded = named = False
         async for output in self.engine.generate(
             {"prompt_token_ids": list(request.prompt_token_ids)}, sampling, request.request_id
         ):
@@ -79,7 +79,10 @@ class DecodeWorker(KVEndpoint):
                 num_seen = 1
             num_seen += len(new_ids)
             if new_ids or completion.finish_reason is not None:
-                yield TokenEvent(tuple(new_ids), completion.finish_reason)
+                # The first event names this replica (router timings show who decoded).
+                replica_id = "" if named else self.worker_id
+                named = True
+                yield TokenEvent(tuple(new_ids), completion.finish_reason, replica_id=replica_id)
 
     async def release(self, handoff: KVHandoff) -> None:
         """Give up a handoff without decoding it: the producer's KV is freed now, not at expiry."""

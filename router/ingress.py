@@ -84,6 +84,14 @@ class RouterSettings:
     control_url: str | None = None
 
 
+def _router_replica_id() -> str:
+    """This Serve replica's id ("router-<id>"), named in every request's timings."""
+    try:
+        return f"router-{serve.get_replica_context().replica_id.unique_id}"
+    except Exception:  # not inside a Serve replica
+        return "router"
+
+
 @serve.ingress(http_app)
 class Router:
     def __init__(self, settings: RouterSettings, *handles: Any) -> None:
@@ -108,6 +116,7 @@ class Router:
             settings.max_model_len,
             engines,
             on_finish=self._on_finish,
+            replica_id=_router_replica_id(),
         )
         self.metrics = RouterMetrics(settings.app)
         self._background: set[asyncio.Task[Any]] = set()

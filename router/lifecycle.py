@@ -45,6 +45,7 @@ async def generate_disaggregated(
             result.finish_reason,
             is_first=True,
             prefill_seconds=result.prefill_seconds,
+            replica_id=result.handoff.producer_id,
         )
         if result.finish_reason is not None:
             return

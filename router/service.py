@@ -80,6 +80,7 @@ class RouterService:
         max_model_len: int,
         engines: EngineStream,
         on_finish: FinishHook | None = None,
+        replica_id: str = "",
     ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
@@ -88,6 +89,7 @@ class RouterService:
         self.engines = engines
         self._state = AdmissionState()
         self._on_finish = on_finish
+        self.replica_id = replica_id  # this router replica, named in every request's timings
 
     @property
     def num_in_flight(self) -> int:
@@ -115,7 +117,7 @@ class RouterService:
 
     async def stream(self, prepared: PreparedRequest) -> AsyncIterator[StreamChunk]:
         request = prepared.request
-        clock = TimingClock()
+        clock = TimingClock(self.replica_id)
         decision = admit(self._state, self.admission, request.num_prompt_tokens)
         if isinstance(decision, Rejected):
             raise Overloaded(f"server is at capacity ({decision.reason}); retry later")
@@ -129,6 +131,8 @@ class RouterService:
                     if event.is_first:
                         self._state, ticket = finish_prefill(self._state, ticket)
                         clock.prefill_done(clock.since_arrival(), event.prefill_seconds)
+                    if event.replica_id:
+                        clock.served_by(event.replica_id, prefill=event.is_first)
                     if event.is_decode_start:
                         clock.decode_started()
                         continue

@@ -27,14 +27,19 @@ class RequestTimings:
     decode_start_s: float = 0.0
     mean_tpot_s: float = 0.0
     e2e_s: float = 0.0
+    # Who served: the router replica, and the engine replicas of each phase ("" until known;
+    # colocated: the engine in prefill_replica).
+    router_replica: str = ""
+    prefill_replica: str = ""
+    decode_replica: str = ""
 
 
 class TimingClock:
     """Collects one request's timings; `snapshot()` is what the next streamed message carries."""
 
-    def __init__(self) -> None:
+    def __init__(self, router_replica: str = "") -> None:
         self.arrival = time.perf_counter()
-        self._timings = RequestTimings()
+        self._timings = RequestTimings(router_replica=router_replica)
         self._first_token_at: float | None = None
         self._num_tokens = 0
 
@@ -56,6 +61,13 @@ class TimingClock:
             self._timings = replace(self._timings, ttft_s=now)
         self._num_tokens += num_tokens
         self._timings = replace(self._timings, e2e_s=now)
+
+    def served_by(self, replica_id: str, prefill: bool) -> None:
+        """The engine replica of one phase, from the first event it sent."""
+        if prefill:
+            self._timings = replace(self._timings, prefill_replica=replica_id)
+        else:
+            self._timings = replace(self._timings, decode_replica=replica_id)
 
     def decode_started(self) -> None:
         self._timings = replace(self._timings, decode_start_s=self.since_arrival())

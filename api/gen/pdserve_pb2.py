@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpdserve.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcf\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x05\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eos\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x95\x01\n\x07Timings\x12\x14\n\x0cqueue_wait_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_start_s\x18\x05 \x01(\x01\x12\x13\n\x0bmean_tpot_s\x18\x06 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x07 \x01(\x01\"\xa6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\xb5\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\r\n\x05model\x18\x07 \x01(\t\"\x0f\n\rHealthRequest\"\xae\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x45\n\x0eready_replicas\x18\x03 \x03(\x0b\x32-.pdserve.v1.HealthResponse.ReadyReplicasEntry\x1a\x34\n\x12ReadyReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xa7\x02\n\x07PDServe\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.CompleteResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpdserve.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcf\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x05\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0b \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_ignore_eos\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xde\x01\n\x07Timings\x12\x14\n\x0cqueue_wait_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_start_s\x18\x05 \x01(\x01\x12\x13\n\x0bmean_tpot_s\x18\x06 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x07 \x01(\x01\x12\x16\n\x0erouter_replica\x18\x08 \x01(\t\x12\x17\n\x0fprefill_replica\x18\t \x01(\t\x12\x16\n\x0e\x64\x65\x63ode_replica\x18\n \x01(\t\"\xa6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\xb5\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\r\n\x05model\x18\x07 \x01(\t\"\x0f\n\rHealthRequest\"\xae\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x45\n\x0eready_replicas\x18\x03 \x03(\x0b\x32-.pdserve.v1.HealthResponse.ReadyReplicasEntry\x1a\x34\n\x12ReadyReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xa7\x02\n\x07PDServe\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.CompleteResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,23 +40,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=413
   _globals['_USAGE']._serialized_end=470
   _globals['_TIMINGS']._serialized_start=473
-  _globals['_TIMINGS']._serialized_end=622
-  _globals['_GENERATERESPONSE']._serialized_start=625
-  _globals['_GENERATERESPONSE']._serialized_end=791
-  _globals['_COMPLETERESPONSE']._serialized_start=794
-  _globals['_COMPLETERESPONSE']._serialized_end=975
-  _globals['_HEALTHREQUEST']._serialized_start=977
-  _globals['_HEALTHREQUEST']._serialized_end=992
-  _globals['_HEALTHRESPONSE']._serialized_start=995
-  _globals['_HEALTHRESPONSE']._serialized_end=1169
-  _globals['_HEALTHRESPONSE_READYREPLICASENTRY']._serialized_start=1117
-  _globals['_HEALTHRESPONSE_READYREPLICASENTRY']._serialized_end=1169
-  _globals['_LISTMODELSREQUEST']._serialized_start=1171
-  _globals['_LISTMODELSREQUEST']._serialized_end=1190
-  _globals['_MODELINFO']._serialized_start=1192
-  _globals['_MODELINFO']._serialized_end=1238
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1240
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1299
-  _globals['_PDSERVE']._serialized_start=1302
-  _globals['_PDSERVE']._serialized_end=1597
+  _globals['_TIMINGS']._serialized_end=695
+  _globals['_GENERATERESPONSE']._serialized_start=698
+  _globals['_GENERATERESPONSE']._serialized_end=864
+  _globals['_COMPLETERESPONSE']._serialized_start=867
+  _globals['_COMPLETERESPONSE']._serialized_end=1048
+  _globals['_HEALTHREQUEST']._serialized_start=1050
+  _globals['_HEALTHREQUEST']._serialized_end=1065
+  _globals['_HEALTHRESPONSE']._serialized_start=1068
+  _globals['_HEALTHRESPONSE']._serialized_end=1242
+  _globals['_HEALTHRESPONSE_READYREPLICASENTRY']._serialized_start=1190
+  _globals['_HEALTHRESPONSE_READYREPLICASENTRY']._serialized_end=1242
+  _globals['_LISTMODELSREQUEST']._serialized_start=1244
+  _globals['_LISTMODELSREQUEST']._serialized_end=1263
+  _globals['_MODELINFO']._serialized_start=1265
+  _globals['_MODELINFO']._serialized_end=1311
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1313
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1372
+  _globals['_PDSERVE']._serialized_start=1375
+  _globals['_PDSERVE']._serialized_end=1670
 # @@protoc_insertion_point(module_scope)

@@ -49,7 +49,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_wait_s", "prefill_s", "kv_transfer_s", "ttft_s", "decode_start_s", "mean_tpot_s", "e2e_s")
+    __slots__ = ("queue_wait_s", "prefill_s", "kv_transfer_s", "ttft_s", "decode_start_s", "mean_tpot_s", "e2e_s", "router_replica", "prefill_replica", "decode_replica")
     QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,9 @@ class Timings(_message.Message):
     DECODE_START_S_FIELD_NUMBER: _ClassVar[int]
     MEAN_TPOT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    DECODE_REPLICA_FIELD_NUMBER: _ClassVar[int]
     queue_wait_s: float
     prefill_s: float
     kv_transfer_s: float
@@ -64,7 +67,10 @@ class Timings(_message.Message):
     decode_start_s: float
     mean_tpot_s: float
     e2e_s: float
-    def __init__(self, queue_wait_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., decode_start_s: _Optional[float] = ..., mean_tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+    router_replica: str
+    prefill_replica: str
+    decode_replica: str
+    def __init__(self, queue_wait_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., decode_start_s: _Optional[float] = ..., mean_tpot_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., router_replica: _Optional[str] = ..., prefill_replica: _Optional[str] = ..., decode_replica: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timings")

@@ -146,6 +146,9 @@ class FakeTimings:
     decode_start_s: float = 0.26
     mean_tpot_s: float = 0.02
     e2e_s: float = 1.5
+    router_replica: str = "router-r1"
+    prefill_replica: str = "prefill-p1"
+    decode_replica: str = "decode-d1"
 
 
 def test_timings_message_copies_every_field() -> None:
