@@ -86,12 +86,16 @@ class ControlReader:
             self._fail(now_s, error)
         return self._settings
 
-    def append(self, record: DecisionRecord) -> bool:
-        """Log `record`; False when there is no Redis, or it failed (it is retried later)."""
+    def append(self, record: DecisionRecord, logged: bool = True) -> bool:
+        """Keep `record` as the pool's latest decision and, when `logged`, add it to the log;
+        False when there is no Redis, or it failed (it is retried later)."""
         if not self.is_enabled or not self._is_reachable:
             return False
         try:
-            self._connected().append_decision(record)
+            store = self._connected()
+            store.set_last_decision(record)
+            if logged:
+                store.append_decision(record)
         except (redis.RedisError, OSError) as error:
             self._fail(record.at, error)
             return False

@@ -147,18 +147,19 @@ class PoolAutoscaler:
             decision.reason if control.error is None else f"{decision.reason} [{control.error}]"
         )
         kind = reason_kind(reason)
-        if decision.is_scale_event or kind != state.get(LOGGED_KIND_STATE_KEY):
-            inputs = decision_inputs(decision, control.slo, control.pin)
-            record = DecisionRecord(
-                now_s,
-                self.pool,
-                decision.current_replicas,
-                decision.target_replicas,
-                reason,
-                inputs,
-            )
-            if self.control.append(record):
-                state[LOGGED_KIND_STATE_KEY] = kind
+        record = DecisionRecord(
+            now_s,
+            self.pool,
+            decision.current_replicas,
+            decision.target_replicas,
+            reason,
+            decision_inputs(decision, control.slo, control.pin),
+        )
+        # Every tick's decision is kept as the latest; the log gets scale events and changes
+        # of reason only, so a steady pool does not flood it.
+        logged = decision.is_scale_event or kind != state.get(LOGGED_KIND_STATE_KEY)
+        if self.control.append(record, logged=logged) and logged:
+            state[LOGGED_KIND_STATE_KEY] = kind
         if decision.is_scale_event:
             logger.info(
                 "pdserve %s autoscaler: %d -> %d replicas: %s",

@@ -82,3 +82,7 @@ class ControlKeys:
     @property
     def decisions(self) -> str:
         return f"{self.namespace}decisions"
+
+    def last_decision(self, pool: str) -> str:
+        """The pool's latest decision, rewritten every tick (the log keeps only changes)."""
+        return f"{self.namespace}last_decision:{validate_pool(pool)}"

@@ -149,6 +149,14 @@ class SyncControlStore:
             pipe.ltrim(self.keys.decisions, 0, DECISION_CAP - 1)
             pipe.execute()
 
+    def set_last_decision(self, record: DecisionRecord) -> None:
+        self._client.set(self.keys.last_decision(record.pool), encode_decision(record))
+
+    def last_decision(self, pool: str) -> DecisionRecord | None:
+        """The pool's decision of the latest policy tick, logged or not; None before any."""
+        raw = self._client.get(self.keys.last_decision(pool))
+        return None if raw is None else decode_decision(raw)
+
     def recent_decisions(self, n: int = 20, pool: str | None = None) -> list[DecisionRecord]:
         """Up to `n` logged decisions, newest first, of one pool or of both."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:

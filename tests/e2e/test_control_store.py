@@ -19,6 +19,7 @@ from control.store import ControlStore, LoadPublisher
 from control.sync_store import SyncControlStore
 from engine.messages import ReplicaLoad
 from router.prefix import MatchResult, block_hashes, match_owners
+from tests.hosts import Hosts
 
 
 def make_load(replica_id: str, pool: str = "prefill", age_s: float = 0.0) -> ReplicaLoad:
@@ -57,10 +58,12 @@ def app_keys(server: RedisServer, app: str) -> set[bytes]:
 # The server process
 
 
-def test_server_is_private_and_outlives_its_session(redis_server: RedisServer) -> None:
+def test_server_is_private_and_outlives_its_session(
+    redis_server: RedisServer, hosts: Hosts
+) -> None:
     assert redis_server.is_running()
     assert os.getsid(redis_server.pid) != os.getsid(0)
-    assert redis_server.host == "127.0.0.1"
+    assert redis_server.host == hosts.ip("a")  # where the other test hosts reach it
     # The password travels through stdin, never argv (world-readable in /proc).
     cmdline = Path(f"/proc/{redis_server.pid}/cmdline").read_bytes()
     assert redis_server.password.encode() not in cmdline
@@ -223,6 +226,19 @@ def test_decision_log_order_filter_and_cap(
         everything = store.recent_decisions(100, pool="decode")
         assert [record.current_replicas for record in everything][-1] == 30
         assert len(store.recent_decisions(n=1000)) == 120
+
+
+def test_latest_decision_per_pool_is_overwritten_every_tick(
+    control_store: ControlStore, redis_server: RedisServer
+) -> None:
+    with SyncControlStore.connect(redis_server.url, control_store.app) as store:
+        assert store.last_decision("prefill") is None
+        for index in range(3):
+            store.set_last_decision(make_decision(index, pool="prefill"))
+        store.set_last_decision(make_decision(7, pool="decode"))
+        assert store.last_decision("prefill") == make_decision(2, pool="prefill")
+        assert store.last_decision("decode") == make_decision(7, pool="decode")
+        assert store.recent_decisions() == []  # the latest is not the log
 
 
 async def test_apps_do_not_see_each_others_keys(redis_server: RedisServer) -> None:
