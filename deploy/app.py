@@ -65,6 +65,7 @@ def deployment_options(config: AppConfig, pool: PoolName) -> dict[str, Any]:
         "ray_actor_options": {
             "num_cpus": spec.num_cpus,
             "num_gpus": spec.num_gpus,
+            **({"resources": dict(spec.resources)} if spec.resources else {}),
             "runtime_env": {"env_vars": env},
         },
         # Engines take a minute to start on CPU; a slow first health check is not a failure.
@@ -123,7 +124,10 @@ def build_app(config: AppConfig) -> Application:
         name="Router",
         num_replicas=config.router.num_replicas,
         max_ongoing_requests=max(1, config.router.max_in_flight * 2),
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={
+            "num_cpus": 0,
+            **({"resources": dict(config.router.resources)} if config.router.resources else {}),
+        },
     )
     if config.topology == "colocated":
         return router.bind(router_settings(config), _pool(config, "engine"))

@@ -76,6 +76,11 @@ class PoolConfig(_Strict):
     )
     num_cpus: float = Field(1.0, ge=0, description="Ray logical CPUs per replica")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources per replica: places the pool on the nodes that "
+        "offer them (e.g. {node_type_gpu: 1})",
+    )
     max_ongoing_requests: int = Field(256, ge=1, description="Serve's per-replica request cap")
 
     @model_validator(mode="after")
@@ -107,6 +112,10 @@ class RouterConfig(_Strict):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when the client sends none")
     prefix_ttl_s: float = Field(300.0, gt=0, description="how long a prefix-index entry lives")
     stats_interval_s: float = Field(1.0, gt=0, description="replica status publish period")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources per router replica (places the routers)",
+    )
 
 
 class AutoscalingSection(_Strict):

@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -14,14 +15,17 @@ from api.client import AsyncPDServeClient, PDServeClient
 from control.redis_server import RedisServer, start_redis_server
 from control.store import ControlStore
 from deploy.config import AppConfig
+from engine.stats import KVLoadCounts
+from tests.hosts import Hosts
 
 # --- Redis control plane (control/) -------------------------------------------------
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A private redis-server (loopback, random password) shared by the whole session."""
-    server = start_redis_server(tmp_path_factory.mktemp("redis"))
+def redis_server(tmp_path_factory: pytest.TempPathFactory, hosts: Hosts) -> Iterator[RedisServer]:
+    """A private redis-server (random password) shared by the whole session, on host a's
+    address: replicas on the other hosts reach it there, as they would across machines."""
+    server = start_redis_server(tmp_path_factory.mktemp("redis"), host=hosts.ip("a"))
     yield server
     server.stop()
 
@@ -77,6 +81,38 @@ class ServedApp:
             for name in self.engine_deployments
         }
 
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.config.topology == "disaggregated"
+
+    def kv_loads(self) -> KVLoadCounts:
+        """What the decode replica's KV loads came to so far (one replica per pool here)."""
+        from ray import serve
+
+        handle = serve.get_deployment_handle("Decode", self.name)
+        loads: KVLoadCounts = handle.kv_loads.remote().result(timeout_s=60)
+        return loads
+
+    async def akv_loads(self) -> KVLoadCounts:
+        from ray import serve
+
+        loads: KVLoadCounts = await serve.get_deployment_handle(
+            "Decode", self.name
+        ).kv_loads.remote()
+        return loads
+
+    @contextmanager
+    def expect_kv_loaded(self, num_requests: int) -> Iterator[None]:
+        """The block's requests each loaded their prompt's KV on the decode replica: decode
+        computed at most each prompt's last token, and no load failed (colocated: nothing)."""
+        if not self.is_disaggregated:
+            yield
+            return
+        before = self.kv_loads()
+        yield
+        got = self.kv_loads().minus(before)
+        assert got == KVLoadCounts(num_loads=num_requests), got
+
     async def wait_engines_idle(self, timeout_s: float = 60) -> dict[str, bool]:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -86,15 +122,21 @@ class ServedApp:
             await asyncio.sleep(0.5)
 
 
+def on_host(host: str) -> dict[str, float]:
+    """Ray resources that place a replica on `host` (tests/hosts.py)."""
+    return {f"host_{host}": 0.01}
+
+
 def _app_configs(redis_url: str) -> dict[str, AppConfig]:
+    # Router, prefill and decode on three different hosts: every hop crosses a host boundary.
     def pools(**router: object) -> dict[str, object]:
         return {
             "engine": {"model": "tiny", "kv_cache_memory_bytes": 64 * 1024**2},
-            "prefill": {"cpu_cores": [0], "num_cpus": 0.5},
-            "decode": {"cpu_cores": [1], "num_cpus": 0.5},
-            "colocated": {"cpu_cores": [0], "num_cpus": 0.5},
+            "prefill": {"cpu_cores": [0], "num_cpus": 0.5, "resources": on_host("c")},
+            "decode": {"cpu_cores": [1], "num_cpus": 0.5, "resources": on_host("a")},
+            "colocated": {"cpu_cores": [0], "num_cpus": 0.5, "resources": on_host("c")},
             "control": {"redis_url": redis_url},
-            "router": {"default_max_tokens": 16, **router},
+            "router": {"default_max_tokens": 16, "resources": on_host("b"), **router},
             # Fixed pools: these apps test serving; test_autoscaling_app.py has its own app.
             "autoscaling": {"enabled": False},
         }

@@ -48,9 +48,13 @@ async def test_cancelled_streams_leave_no_kv_blocks(
         cases.append(_cancel_after(app, prompt, num_chunks, rng.uniform(0.0, 0.6)))
     if key == "colocated":
         cases = cases[:2]  # this app admits two requests at a time
+    before = await app.akv_loads() if app.is_disaggregated else None
     await asyncio.gather(*cases)
     idle = await app.wait_engines_idle(timeout_s=90)
     assert all(idle.values()), idle
+    if before is not None:  # loads cut short by a cancel are not failed loads
+        loads = (await app.akv_loads()).minus(before)
+        assert loads.num_failures == loads.num_recomputed_tokens == 0, loads
     # ...and the app still serves.
     async with app.aclient() as client:
         done = await client.complete("after the cancellations", max_tokens=3, ignore_eos=True)

@@ -28,18 +28,20 @@ def _expected_text(engine: LocalEngine, ids: list[int], max_tokens: int) -> str:
 
 @pytest.mark.parametrize("key", ["nixl", "colocated"])
 def test_completions(serve_apps: dict[str, ServedApp], tiny_engine: LocalEngine, key: str) -> None:
-    client = _client(serve_apps[key])
+    app = serve_apps[key]
+    client = _client(app)
     want = _expected_text(tiny_engine, tiny_engine.encode(PROMPT), 12)
-    whole = client.completions.create(  # type: ignore[attr-defined]
-        model="tiny", prompt=PROMPT, max_tokens=12, extra_body={"ignore_eos": True}
-    )
+    with app.expect_kv_loaded(2):
+        whole = client.completions.create(  # type: ignore[attr-defined]
+            model="tiny", prompt=PROMPT, max_tokens=12, extra_body={"ignore_eos": True}
+        )
+        stream = client.completions.create(  # type: ignore[attr-defined]
+            model="tiny", prompt=PROMPT, max_tokens=12, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = list(stream)
     assert whole.choices[0].text == want
     assert whole.choices[0].finish_reason == "length"
     assert whole.usage.completion_tokens == 12
-    stream = client.completions.create(  # type: ignore[attr-defined]
-        model="tiny", prompt=PROMPT, max_tokens=12, stream=True, extra_body={"ignore_eos": True}
-    )
-    chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -48,21 +50,23 @@ def test_completions(serve_apps: dict[str, ServedApp], tiny_engine: LocalEngine,
 def test_chat_completions(
     serve_apps: dict[str, ServedApp], tiny_engine: LocalEngine, key: str
 ) -> None:
-    client = _client(serve_apps[key])
+    app = serve_apps[key]
+    client = _client(app)
     tokenizer = tiny_engine.tokenizer
     text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     want = _expected_text(
         tiny_engine, list(tokenizer(text, add_special_tokens=False)["input_ids"]), 10
     )
-    whole = client.chat.completions.create(  # type: ignore[attr-defined]
-        model="tiny", messages=CHAT, max_tokens=10, extra_body={"ignore_eos": True}
-    )
+    with app.expect_kv_loaded(2):
+        whole = client.chat.completions.create(  # type: ignore[attr-defined]
+            model="tiny", messages=CHAT, max_tokens=10, extra_body={"ignore_eos": True}
+        )
+        stream = client.chat.completions.create(  # type: ignore[attr-defined]
+            model="tiny", messages=CHAT, max_tokens=10, stream=True, extra_body={"ignore_eos": True}
+        )
+        chunks = list(stream)
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == want
-    stream = client.chat.completions.create(  # type: ignore[attr-defined]
-        model="tiny", messages=CHAT, max_tokens=10, stream=True, extra_body={"ignore_eos": True}
-    )
-    chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "length"
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from decode_workers.worker import DecodeWorker
+from engine.local import LocalEngine
 from engine.messages import GenerationRequest, KVHandshakeError, KVTransferError
+from engine.stats import KVLoadCounts
 from prefill_workers.worker import PrefillWorker
 from router.lifecycle import generate_disaggregated
 from tests.builders import make_greedy, make_settings
@@ -65,6 +67,7 @@ async def test_fifty_requests_with_cancellations_leak_nothing(
     pd_case: tuple[str, str, Pair],
 ) -> None:
     _, _, pair = pd_case
+    loads_before = pair[1].stats.kv_loads
     rng = random.Random(0)
     jobs = []
     for i in range(50):
@@ -83,6 +86,9 @@ async def test_fifty_requests_with_cancellations_leak_nothing(
         await asyncio.gather(*jobs[start : start + 10])
     assert await wait_idle(*pair, timeout=60), "KV blocks still held after all requests ended"
     assert await live_leases(pair[0]) == 0, await live_lease_keys(pair[0])
+    # Cancellations cut loads short, but none failed: decode never computed a prompt itself.
+    loads = pair[1].stats.kv_loads.minus(loads_before)
+    assert loads.num_loads > 0 and loads.num_failures == loads.num_recomputed_tokens == 0, loads
     # And the pair still serves correctly afterwards.
     tokens = await run_pd(*pair, make_request((5, 6, 7), make_greedy(max_tokens=4)))
     assert len(tokens) == 4
@@ -90,11 +96,13 @@ async def test_fifty_requests_with_cancellations_leak_nothing(
 
 async def test_finished_at_first_token_releases_the_lease(pd_case: tuple[str, str, Pair]) -> None:
     _, _, pair = pd_case
+    loads_before = pair[1].stats.kv_loads
     for _ in range(3):
         tokens = await run_pd(*pair, make_request((9, 10, 11), make_greedy(max_tokens=1)))
         assert len(tokens) == 1
     assert await wait_idle(*pair, timeout=10)
     assert await live_leases(pair[0]) == 0
+    assert pair[1].stats.kv_loads == loads_before  # decode was never asked to load
 
 
 async def live_lease_keys(prefill: PrefillWorker) -> list[str]:
@@ -105,15 +113,18 @@ async def live_lease_keys(prefill: PrefillWorker) -> list[str]:
 
 
 async def test_layout_mismatch_is_refused_before_transfer(
-    pd_case: tuple[str, str, Pair], tmp_path: Path
+    pd_case: tuple[str, str, Pair], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    backend, model_name, (prefill, decode) = pd_case
-    request = make_request(tuple(range(3, 40)), make_greedy(max_tokens=8))
-    result = await prefill.prefill(request)
+    _, model_name, (prefill, decode) = pd_case
+    mono: LocalEngine = request.getfixturevalue(f"{model_name}_engine")
+    params = make_greedy(max_tokens=8, ignore_eos=True)
+    pd_request = make_request(tuple(range(3, 40)), params)
+    result = await prefill.prefill(pd_request)
+    decoded = False
     try:
         other_block = DecodeWorker(replace(decode.settings, block_size=64), decode.transfer)
         with pytest.raises(KVHandshakeError, match="block_size: producer 32 != consumer 64"):
-            async for _ in other_block.decode(request, result.handoff):
+            async for _ in other_block.decode(pd_request, result.handoff):
                 pass
         if model_name == "tiny":
             from engine.tiny import build_tiny_model
@@ -126,7 +137,17 @@ async def test_layout_mismatch_is_refused_before_transfer(
         with pytest.raises(KVTransferError, match="digest"):
             decode.check_handoff(tampered)
         assert other_block.engine is None  # never started: refused before any transfer
-        assert backend in {"nixl", "ray"}
+        # The refusals moved and spent nothing: the compatible decode worker still loads the
+        # whole prompt from the same handoff and continues it exactly.
+        loads_before = decode.stats.kv_loads
+        rest = [
+            t async for event in decode.decode(pd_request, result.handoff) for t in event.token_ids
+        ]
+        decoded = True
+        want = mono.generate([list(pd_request.prompt_token_ids)], params)[0].token_ids
+        assert [result.first_token, *rest] == want
+        assert decode.stats.kv_loads.minus(loads_before) == KVLoadCounts(num_loads=1)
     finally:
-        await decode.release(result.handoff)
+        if not decoded:
+            await decode.release(result.handoff)
     assert await wait_idle(prefill, decode, timeout=10)

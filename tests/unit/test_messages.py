@@ -98,11 +98,32 @@ def test_layout_mismatch_names_the_field(field: str, value: object) -> None:
     LAYOUT.check_compatible(replace(LAYOUT))
 
 
-def test_digest_is_stable_json() -> None:
-    handoff = make_handoff()
-    assert len(handoff.digest) == 32
-    assert handoff.compute_digest() == handoff.digest
+def test_digest_is_stable_and_covers_every_field() -> None:
+    handoff = make_handoff(lease_expires_at=1_000.0)
+    # A fixed record hashes to a fixed value, in any process and on any build: producer and
+    # consumer compute it separately, so a change of the digested form must show here first.
+    assert handoff.digest == "e91bc6e4d7a39813bc0590d351712e1b"
+    changed = {
+        "backend": "ray",
+        "producer_id": "prefill-2",
+        "request_id": "r2",
+        "num_prompt_tokens": 71,
+        "first_token": 43,
+        "layout": replace(LAYOUT, block_size=64),
+        "lease_expires_at": 1_000.5,
+        "pull": replace(handoff.pull, remote_port=1),
+    }
+    for field, value in changed.items():
+        assert replace(handoff, **{field: value}, digest="").digest != handoff.digest, field
     json.dumps(handoff.pull.to_consumer_params(flat_blocks=True))  # type: ignore[union-attr]
+
+
+def test_kv_bytes_per_token_of_the_default_model() -> None:
+    # SmolLM2-135M: 30 layers, 3 KV heads, head size 64 (FIELD-NOTES): 46,080 bytes per token
+    # in float32, 23,040 in bfloat16 (the ~23 KB NIXL measured per bf16 token).
+    default = replace(LAYOUT, num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32")
+    assert default.bytes_per_token == 46_080
+    assert replace(default, dtype="bfloat16").bytes_per_token == 23_040
 
 
 def test_the_first_token_is_stored_once_in_the_handoff() -> None:

@@ -1,0 +1,57 @@
+"""Reading the app's Prometheus metrics the way an operator's scraper does: every Ray node's
+metrics agent, over HTTP, summed over the series that carry the given labels."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+_LINE = re.compile(r"^(?:ray_)?(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape() -> str:
+    import ray
+
+    texts = []
+    for node in ray.nodes():
+        if node["Alive"] and node.get("MetricsExportPort"):
+            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as response:
+                texts.append(response.read().decode())
+    return "\n".join(texts)
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples (with or without Ray's `ray_` prefix) whose labels include
+    `labels`; 0.0 when there is none."""
+    total = 0.0
+    for line in text.splitlines():
+        match = _LINE.match(line)
+        if match is None or match["name"] != name:
+            continue
+        found = dict(_LABEL.findall(match["labels"] or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(match["value"])
+    return total
+
+
+def wait_metric(name: str, want: float, timeout_s: float = 60, **labels: str) -> float:
+    """Poll the agents until `name` sums to `want` (they export on their own period); returns
+    the last value seen, so the caller's assert shows what was there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = metric_sum(scrape(), name, **labels)
+        if value == want or time.monotonic() > deadline:
+            return value
+        time.sleep(1.0)
+
+
+def wait_metric_at_least(name: str, want: float, timeout_s: float = 60, **labels: str) -> float:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = metric_sum(scrape(), name, **labels)
+        if value >= want or time.monotonic() > deadline:
+            return value
+        time.sleep(1.0)
