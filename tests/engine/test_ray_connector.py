@@ -323,8 +323,12 @@ def test_async_llm_engines_in_child_processes(
     settings = make_settings(tiny_model)
     usage = {"prefill-mp": KVUsageRecorder(), "decode-mp": KVUsageRecorder()}
 
+    import ray
+
+    node_ip = ray.util.get_node_ip_address()  # the children join the node this process is on
+
     def start(role: str, engine_id: str) -> Any:
-        config = connector_config(role, engine_id, ray_address=ray_address)
+        config = connector_config(role, engine_id, ray_address=ray_address, node_ip=node_ip)
         args = settings.async_engine_args(config)
         return AsyncLLM.from_engine_args(args, stat_loggers=[usage[engine_id].factory])
 
