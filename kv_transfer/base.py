@@ -4,8 +4,11 @@ Call order, per request:
   both sides
     transfer_config(engine_id, role)     once, at engine start: vLLM's KVTransferConfig
   producer side (prefill worker)
-    producer_request_params()            per prefill: kv_transfer_params for max_tokens=1
+    producer_request_params(p, r)        per prefill: kv_transfer_params for max_tokens=1
     parse_producer_output(params)        per prefill: the engine's output params -> typed pull
+    release_abandoned(p, r)              per prefill aborted by its caller: frees what the
+                                         engine may have stored for it although its output
+                                         (and the handoff in it) never reached the worker
   consumer side (decode worker)
     consumer_request_params(pull)        per decode: kv_transfer_params that make vLLM pull
     rejection_params(pull)               per handoff never decoded: lets the consumer engine's
@@ -94,8 +97,13 @@ class KVBackend(ABC):
         """Where the connector stages KV; None keeps vLLM's default."""
         return None
 
-    def producer_request_params(self) -> dict[str, Any]:
+    def producer_request_params(self, producer_id: str, request_id: str) -> dict[str, Any]:
         return {"do_remote_decode": True}
+
+    async def release_abandoned(self, producer_id: str, request_id: str) -> None:
+        """After the producer aborted `request_id`: release any KV its engine stored for it.
+        The default does nothing (the connector frees an aborted request's KV itself)."""
+        return None
 
     @abstractmethod
     def parse_producer_output(self, params: dict[str, Any]) -> NixlPull | RayPull: ...

@@ -9,6 +9,11 @@ A release can overtake its registration: vLLM schedules the next step while the 
 runs the last one, so a request aborted just after its save was scheduled is released by the
 scheduler before the worker has registered the save. The release leaves a tombstone, and the
 late registration drops its payload at once instead of holding it for a whole lease.
+
+Keys are "<owner>/<nonce>" (`lease_owner`). A producer that abandons a request without ever
+seeing its handoff (its client aborted just as the engine finished the prompt, so the engine's
+output, and the key in it, was dropped) releases by owner: every lease of that owner goes, and a
+later registration under it is refused the same way.
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ class Lease(Generic[T]):
 TOMBSTONE_SECONDS = 600.0
 
 
+def lease_owner(key: str) -> str:
+    """The owner part of a "<owner>/<nonce>" key (the whole key when it has no "/")."""
+    return key.rpartition("/")[0] or key
+
+
 class LeaseTable(Generic[T]):
     def __init__(
         self, clock: Callable[[], float] = time.time, tombstone_seconds: float = TOMBSTONE_SECONDS
@@ -40,6 +50,7 @@ class LeaseTable(Generic[T]):
         self._tombstone_seconds = tombstone_seconds
         self._leases: dict[str, Lease[T]] = {}
         self._tombstones: dict[str, float] = {}  # key -> until when a registration is refused
+        self._owner_tombstones: dict[str, float] = {}  # the same, for every key of an owner
 
     def register(self, key: str, payload: T, lease_seconds: float) -> float:
         """Store `payload` under `key` (replacing any earlier one); returns the expiry time. A
@@ -48,6 +59,8 @@ class LeaseTable(Generic[T]):
             raise ValueError(f"lease_seconds must be positive, got {lease_seconds}")
         now = self._clock()
         if self._tombstones.pop(key, 0.0) > now:
+            return now
+        if self._owner_tombstones.get(lease_owner(key), 0.0) > now:
             return now
         expires_at = now + lease_seconds
         self._leases[key] = Lease(payload, expires_at)
@@ -74,18 +87,28 @@ class LeaseTable(Generic[T]):
     def release_many(self, keys: Iterable[str]) -> int:
         return sum(self.release(key) for key in keys)
 
+    def release_owner(self, owner: str) -> int:
+        """Drop every lease of `owner` and refuse its later registrations; returns how many
+        leases were dropped."""
+        keys = [key for key in self._leases if lease_owner(key) == owner]
+        for key in keys:
+            del self._leases[key]
+        self._owner_tombstones[owner] = self._clock() + self._tombstone_seconds
+        return len(keys)
+
     def sweep_expired(self) -> list[str]:
         now = self._clock()
         expired = [key for key, lease in self._leases.items() if lease.expires_at <= now]
         for key in expired:
             del self._leases[key]
-        for key in [k for k, until in self._tombstones.items() if until <= now]:
-            del self._tombstones[key]
+        for tombstones in (self._tombstones, self._owner_tombstones):
+            for key in [k for k, until in tombstones.items() if until <= now]:
+                del tombstones[key]
         return expired
 
     @property
     def num_tombstones(self) -> int:
-        return len(self._tombstones)
+        return len(self._tombstones) + len(self._owner_tombstones)
 
     def num_live(self) -> int:
         self.sweep_expired()

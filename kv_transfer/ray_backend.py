@@ -29,6 +29,20 @@ class RayBackend(KVBackend):
             "lease_seconds": self.settings.lease_seconds,
         }
 
+    def producer_request_params(self, producer_id: str, request_id: str) -> dict[str, Any]:
+        from kv_transfer.ray_params import OWNER_PARAM, lease_owner_id
+
+        return {"do_remote_decode": True, OWNER_PARAM: lease_owner_id(producer_id, request_id)}
+
+    async def release_abandoned(self, producer_id: str, request_id: str) -> None:
+        # The engine may have finished the prompt (and registered its lease) just before the
+        # abort reached it; vLLM then drops the output, and with it the only copy of the key.
+        from kv_transfer.ray_lease import get_lease_registry
+        from kv_transfer.ray_params import lease_owner_id
+
+        registry = get_lease_registry(self.settings.lease_registry, self.settings.ray_namespace)
+        await registry.release_owner.remote(lease_owner_id(producer_id, request_id))
+
     def parse_producer_output(self, params: dict[str, Any]) -> RayPull:
         if "ray_kv" not in params:
             raise ValueError(

@@ -65,6 +65,10 @@ class KVLeaseRegistry:
         with self._lock:
             return self._table.release_many(keys)
 
+    def release_owner(self, owner: str) -> int:
+        with self._lock:
+            return self._table.release_owner(owner)
+
     def sweep_expired(self) -> int:
         with self._lock:
             return len(self._table.sweep_expired())

@@ -2,7 +2,7 @@
 
 Pure (no ray, no vllm). Shapes of `kv_transfer_params`:
 
-    producer request   {"do_remote_decode": True}
+    producer request   {"do_remote_decode": True, "ray_kv_owner": "<producer id>/<request id>"}
     producer output    {"ray_kv": <RayKVHandoff.to_dict()>}        (None when nothing was stored)
     consumer request   {"do_remote_prefill": True, "ray_kv": <the same dict>}
     consumer output    {"ray_kv_load": "loaded" | "recomputed" | "not_loaded"}
@@ -24,6 +24,10 @@ from kv_transfer.blocks import BlockLayout, num_blocks_for
 
 HANDOFF_PARAM = "ray_kv"
 LOAD_STATUS_PARAM = "ray_kv_load"
+# Who a stored request's lease belongs to: the prefill worker's id and the caller's request id
+# (vLLM's own request ids get a random suffix the caller never sees). The worker releases by it
+# when it abandons a request whose output it never received.
+OWNER_PARAM = "ray_kv_owner"
 LoadStatus = Literal["loaded", "recomputed", "not_loaded"]
 
 
@@ -62,9 +66,14 @@ class RayKVSettings:
         return settings
 
 
-def make_lease_key(producer_id: str, request_id: str) -> str:
-    # The nonce keeps keys unique when a restarted producer reuses request ids.
-    return f"{producer_id}/{request_id}/{uuid.uuid4().hex[:12]}"
+def lease_owner_id(producer_id: str, request_id: str) -> str:
+    return f"{producer_id}/{request_id}"
+
+
+def make_lease_key(owner: str) -> str:
+    """"<owner>/<nonce>" (see kv_transfer.leases.lease_owner). The nonce keeps keys unique when
+    a restarted producer reuses request ids."""
+    return f"{owner}/{uuid.uuid4().hex[:12]}"
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,11 @@ from kv_transfer.ray_metadata import LoadRequest, RayKVConnectorMetadata, SaveRe
 from kv_transfer.ray_params import (
     HANDOFF_PARAM,
     LOAD_STATUS_PARAM,
+    OWNER_PARAM,
     LoadStatus,
     RayKVHandoff,
     RayKVSettings,
+    lease_owner_id,
     make_lease_key,
 )
 
@@ -137,7 +139,8 @@ class RayKVScheduler:
             assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
             num_tokens = request.num_prompt_tokens
             all_blocks = self._kv_cache_manager.get_block_ids(req_id)[0]
-            key = make_lease_key(self._engine_id, req_id)
+            owner = _params(request).get(OWNER_PARAM) or lease_owner_id(self._engine_id, req_id)
+            key = make_lease_key(str(owner))
             meta.saves.append(
                 SaveRequest(
                     request_id=req_id,

@@ -9,10 +9,13 @@ expires): whoever receives a PrefillResult must hand it to `DecodeWorker.decode`
 from __future__ import annotations
 
 import time
+import uuid
 
 from engine.async_engine import engine_times
 from engine.messages import GenerationRequest, KVHandoff, KVTransferError, PrefillResult
 from engine.sampling import to_sampling_params
+from engine.settings import EngineSettings
+from kv_transfer.base import TransferSettings
 from kv_transfer.endpoint import KVEndpoint
 
 
@@ -20,23 +23,36 @@ class PrefillWorker(KVEndpoint):
     role = "producer"
     id_prefix = "prefill"
 
+    def __init__(
+        self, settings: EngineSettings, transfer: TransferSettings, worker_id: str | None = None
+    ) -> None:
+        super().__init__(settings, transfer, worker_id)
+        # request id -> the attempt id its running prefill stores KV under: an abort releases
+        # that attempt's store only, never a later retry of the same request id.
+        self._attempts: dict[str, str] = {}
+
     async def prefill(self, request: GenerationRequest) -> PrefillResult:
         if request.num_prompt_tokens >= self.settings.max_model_len:
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens; the model's context is "
                 f"{self.settings.max_model_len}"
             )
+        attempt = f"{request.request_id}:{uuid.uuid4().hex[:8]}"
         sampling = to_sampling_params(
             request.params,
             max_tokens=1,
-            kv_transfer_params=self.backend.producer_request_params(),
+            kv_transfer_params=self.backend.producer_request_params(self.worker_id, attempt),
         )
+        self._attempts[request.request_id] = attempt
         started = time.perf_counter()
         final = None
-        async for output in self.engine.generate(
-            {"prompt_token_ids": list(request.prompt_token_ids)}, sampling, request.request_id
-        ):
-            final = output
+        try:
+            async for output in self.engine.generate(
+                {"prompt_token_ids": list(request.prompt_token_ids)}, sampling, request.request_id
+            ):
+                final = output
+        finally:
+            self._attempts.pop(request.request_id, None)
         elapsed = time.perf_counter() - started
         if final is None or not final.outputs or not final.outputs[0].token_ids:
             raise KVTransferError(f"prefill of {request.request_id} produced no token")
@@ -62,3 +78,11 @@ class PrefillWorker(KVEndpoint):
         )
         queue_s, compute_s = engine_times(final.metrics, elapsed)
         return PrefillResult(handoff, finish_reason, compute_s, queue_s)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop the prefill; if the engine stored its KV all the same (it finished just as the
+        abort came), that store is released, since its handoff will never reach anyone."""
+        attempt = self._attempts.get(request_id)
+        await super().abort(request_id)
+        if attempt is not None:
+            await self.backend.release_abandoned(self.worker_id, attempt)

@@ -13,6 +13,7 @@ import pytest
 from decode_workers.worker import DecodeWorker
 from engine.local import LocalEngine
 from engine.messages import GenerationRequest, KVHandshakeError, KVTransferError
+from engine.sampling import to_sampling_params
 from engine.stats import KVLoadCounts
 from prefill_workers.worker import PrefillWorker
 from router.lifecycle import generate_disaggregated
@@ -92,6 +93,28 @@ async def test_fifty_requests_with_cancellations_leak_nothing(
     # And the pair still serves correctly afterwards.
     tokens = await run_pd(*pair, make_request((5, 6, 7), make_greedy(max_tokens=4)))
     assert len(tokens) == 4
+
+
+@pytest.mark.parametrize("pd_case", [("ray", "tiny")], indirect=True, ids=["ray-tiny"])
+async def test_a_store_whose_output_was_lost_is_released_by_its_owner(
+    pd_case: tuple[str, str, Pair],
+) -> None:
+    """The race a cancelled prefill can lose: the engine finishes the prompt and registers its
+    lease just as the abort arrives, and vLLM drops the output, the only copy of the key. Here
+    without the timing: the engine runs the prefill directly and its output is thrown away."""
+    _, _, pair = pd_case
+    prefill = pair[0]
+    attempt = "lost-output:1"
+    sampling = to_sampling_params(
+        make_greedy(max_tokens=1),
+        max_tokens=1,
+        kv_transfer_params=prefill.backend.producer_request_params(prefill.worker_id, attempt),
+    )
+    async for _ in prefill.engine.generate({"prompt_token_ids": [5, 6, 7, 8]}, sampling, "lost"):
+        pass
+    assert await live_leases(prefill, timeout=0) == 1
+    await prefill.backend.release_abandoned(prefill.worker_id, attempt)
+    assert await live_leases(prefill, timeout=0) == 0, await live_lease_keys(prefill)
 
 
 async def test_finished_at_first_token_releases_the_lease(pd_case: tuple[str, str, Pair]) -> None:

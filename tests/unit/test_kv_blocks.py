@@ -14,6 +14,7 @@ from kv_transfer.blocks import (
     plan_load,
     prompt_digest,
 )
+from kv_transfer.leases import lease_owner
 from kv_transfer.ray_params import RayKVHandoff, RayKVSettings, consumer_params, make_lease_key
 
 LAYOUT = BlockLayout(
@@ -146,5 +147,6 @@ def test_settings_validate_the_extra_config() -> None:
 
 
 def test_lease_keys_are_unique_per_call() -> None:
-    first, second = make_lease_key("P", "r1"), make_lease_key("P", "r1")
+    first, second = make_lease_key("P/r1"), make_lease_key("P/r1")
     assert first != second and first.startswith("P/r1/")
+    assert lease_owner(first) == lease_owner(second) == "P/r1"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer.leases import LeaseTable
+from kv_transfer.leases import TOMBSTONE_SECONDS, LeaseTable
 
 
 class FakeClock:
@@ -87,3 +87,22 @@ def test_release_before_registration_refuses_the_late_registration() -> None:
     table.sweep_expired()
     assert table.num_tombstones == 0
     assert table.register("never-registered", "kv", lease_seconds=60) > clock.now
+
+
+def test_release_by_owner_drops_its_leases_and_refuses_its_late_registrations() -> None:
+    table, clock = make_table()
+    table.register("P/r1:a/n1", "kv1", lease_seconds=60.0)
+    table.register("P/r1:b/n2", "retry", lease_seconds=60.0)  # another attempt of r1
+    table.register("P/r10:a/n3", "other", lease_seconds=60.0)  # a prefix of it, not the owner
+    assert table.release_owner("P/r1:a") == 1
+    assert table.live_keys() == ["P/r10:a/n3", "P/r1:b/n2"]
+    # The engine registers the abandoned attempt's store after the release: refused.
+    assert table.register("P/r1:a/n4", "late", lease_seconds=60.0) == clock.now
+    assert table.take("P/r1:a/n4") is None
+    assert table.register("P/r1:b/n5", "kept", lease_seconds=60.0) > clock.now
+    # The owner's tombstone goes with time like the key ones.
+    assert table.num_tombstones == 1
+    clock.now += TOMBSTONE_SECONDS + 1
+    table.sweep_expired()
+    assert table.num_tombstones == 0
+    assert table.register("P/r1:a/n6", "much later", lease_seconds=60.0) > clock.now
