@@ -19,6 +19,7 @@ later registration under it is refused the same way.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -35,6 +36,12 @@ class Lease(Generic[T]):
 # How long a release of an unknown key waits for a late registration. Keys are unique per save,
 # so a tombstone only ever meets the one registration it was meant for.
 TOMBSTONE_SECONDS = 600.0
+
+
+def make_lease_key(owner: str) -> str:
+    """The key "<owner>/<nonce>". The nonce keeps keys unique when a restarted producer reuses
+    request ids."""
+    return f"{owner}/{uuid.uuid4().hex[:12]}"
 
 
 def lease_owner(key: str) -> str:

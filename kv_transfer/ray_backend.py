@@ -3,10 +3,17 @@ a request's KV blocks through Ray's object store, layer by layer, with a checksu
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from engine.messages import NixlPull, RayPull
 from kv_transfer.base import KVBackend, register_backend
+
+logger = logging.getLogger(__name__)
+
+# The longest an abort waits on the lease registry.
+REGISTRY_CALL_TIMEOUT_S = 5.0
 
 
 @register_backend
@@ -40,8 +47,12 @@ class RayBackend(KVBackend):
         from kv_transfer.ray_lease import get_lease_registry
         from kv_transfer.ray_params import lease_owner_id
 
-        registry = get_lease_registry(self.settings.lease_registry, self.settings.ray_namespace)
-        await registry.release_owner.remote(lease_owner_id(producer_id, request_id))
+        owner = lease_owner_id(producer_id, request_id)
+        try:
+            registry = get_lease_registry(self.settings.lease_registry, self.settings.ray_namespace)
+            await asyncio.wait_for(registry.release_owner.remote(owner), REGISTRY_CALL_TIMEOUT_S)
+        except Exception:  # the abort goes on; an unreleased lease expires after its lease
+            logger.exception("ray backend: releasing the leases of %s failed", owner)
 
     def parse_producer_output(self, params: dict[str, Any]) -> RayPull:
         if "ray_kv" not in params:

@@ -2,7 +2,8 @@
 
 Pure (no ray, no vllm). Shapes of `kv_transfer_params`:
 
-    producer request   {"do_remote_decode": True, "ray_kv_owner": "<producer id>/<request id>"}
+    producer request   {"do_remote_decode": True, "ray_kv_owner": <owner>}
+                       (owner: "<prefill id>/<request id>:<attempt>")
     producer output    {"ray_kv": <RayKVHandoff.to_dict()>}        (None when nothing was stored)
     consumer request   {"do_remote_prefill": True, "ray_kv": <the same dict>}
     consumer output    {"ray_kv_load": "loaded" | "recomputed" | "not_loaded"}
@@ -15,7 +16,6 @@ finish_reason "error" and vLLM sends no kv_transfer_params.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
@@ -24,9 +24,10 @@ from kv_transfer.blocks import BlockLayout, num_blocks_for
 
 HANDOFF_PARAM = "ray_kv"
 LOAD_STATUS_PARAM = "ray_kv_load"
-# Who a stored request's lease belongs to: the prefill worker's id and the caller's request id
-# (vLLM's own request ids get a random suffix the caller never sees). The worker releases by it
-# when it abandons a request whose output it never received.
+# Who a stored request's lease belongs to: the prefill worker's id and its attempt id (the
+# caller's request id plus a per-attempt suffix; vLLM's own request ids get a random suffix the
+# worker never sees). The worker releases by it when it abandons a prefill whose output it
+# never received.
 OWNER_PARAM = "ray_kv_owner"
 LoadStatus = Literal["loaded", "recomputed", "not_loaded"]
 
@@ -66,14 +67,10 @@ class RayKVSettings:
         return settings
 
 
-def lease_owner_id(producer_id: str, request_id: str) -> str:
-    return f"{producer_id}/{request_id}"
+def lease_owner_id(producer_id: str, attempt_id: str) -> str:
+    """A lease owner (kv_transfer.leases.make_lease_key keys its leases under it)."""
+    return f"{producer_id}/{attempt_id}"
 
-
-def make_lease_key(owner: str) -> str:
-    """"<owner>/<nonce>" (see kv_transfer.leases.lease_owner). The nonce keeps keys unique when
-    a restarted producer reuses request ids."""
-    return f"{owner}/{uuid.uuid4().hex[:12]}"
 
 
 @dataclass(frozen=True)

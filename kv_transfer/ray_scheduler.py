@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from kv_transfer.blocks import num_blocks_for, plan_load, prompt_digest
+from kv_transfer.leases import make_lease_key
 from kv_transfer.ray_metadata import LoadRequest, RayKVConnectorMetadata, SaveRequest
 from kv_transfer.ray_params import (
     HANDOFF_PARAM,
@@ -28,7 +29,6 @@ from kv_transfer.ray_params import (
     RayKVHandoff,
     RayKVSettings,
     lease_owner_id,
-    make_lease_key,
 )
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ from kv_transfer.blocks import (
     plan_load,
     prompt_digest,
 )
-from kv_transfer.leases import lease_owner
-from kv_transfer.ray_params import RayKVHandoff, RayKVSettings, consumer_params, make_lease_key
+from kv_transfer.leases import lease_owner, make_lease_key
+from kv_transfer.ray_params import RayKVHandoff, RayKVSettings, consumer_params
 
 LAYOUT = BlockLayout(
     num_layers=4,
