@@ -72,7 +72,6 @@ def lease_owner_id(producer_id: str, attempt_id: str) -> str:
     return f"{producer_id}/{attempt_id}"
 
 
-
 @dataclass(frozen=True)
 class RayKVHandoff:
     """What a consumer needs to pull one request's KV, and to refuse KV that does not fit."""
