@@ -12,6 +12,7 @@ from the server arrive as `grpc.RpcError` (INVALID_ARGUMENT for a bad field, wit
 
 from __future__ import annotations
 
+import os
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -28,6 +29,9 @@ import grpc
 import grpc.aio
 
 from api.gen import pdserve_pb2, pdserve_pb2_grpc
+
+# The API key clients send when none is given (as the `openai` package reads OPENAI_API_KEY).
+API_KEY_ENV = "PDSERVE_API_KEY"
 
 DEFAULT_TARGET = "localhost:9000"  # Ray Serve's default gRPC port
 
@@ -110,17 +114,19 @@ async def acollect(responses: AsyncIterable[pdserve_pb2.GenerateResponse]) -> Co
 
 
 class PDServeClient:
-    """Blocking client over one channel; `timeout_s` bounds each call (None: no deadline)."""
+    """Blocking client over one channel; `timeout_s` bounds each call (None: no deadline).
+    `api_key` (default: $PDSERVE_API_KEY) goes with every call as `authorization` metadata."""
 
     def __init__(
         self,
         target: str = DEFAULT_TARGET,
         application: str | None = None,
         timeout_s: float | None = None,
+        api_key: str | None = None,
     ) -> None:
         self._channel = grpc.insecure_channel(target)
         self._stub = pdserve_pb2_grpc.PDServeStub(self._channel)
-        self._call_options = _call_options(application, timeout_s)
+        self._call_options = _call_options(application, timeout_s, api_key)
 
     def generate(
         self, prompt: str | None = None, **options: Unpack[RequestOptions]
@@ -174,10 +180,11 @@ class AsyncPDServeClient:
         target: str = DEFAULT_TARGET,
         application: str | None = None,
         timeout_s: float | None = None,
+        api_key: str | None = None,
     ) -> None:
         self._channel = grpc.aio.insecure_channel(target)
         self._stub = pdserve_pb2_grpc.PDServeStub(self._channel)
-        self._call_options = _call_options(application, timeout_s)
+        self._call_options = _call_options(application, timeout_s, api_key)
 
     async def generate(
         self, prompt: str | None = None, **options: Unpack[RequestOptions]
@@ -226,10 +233,17 @@ class AsyncPDServeClient:
         await self.close()
 
 
-def _call_options(application: str | None, timeout_s: float | None) -> dict[str, Any]:
-    # Ray Serve's gRPC proxy picks the Serve application from this metadata key.
-    metadata = (("application", application),) if application else None
-    return {"metadata": metadata, "timeout": timeout_s}
+def _call_options(
+    application: str | None, timeout_s: float | None, api_key: str | None
+) -> dict[str, Any]:
+    metadata: list[tuple[str, str]] = []
+    if application:
+        # Ray Serve's gRPC proxy picks the Serve application from this metadata key.
+        metadata.append(("application", application))
+    api_key = api_key or os.environ.get(API_KEY_ENV)
+    if api_key:
+        metadata.append(("authorization", f"Bearer {api_key}"))
+    return {"metadata": tuple(metadata) or None, "timeout": timeout_s}
 
 
 def _chat_message(message: Mapping[str, str]) -> pdserve_pb2.ChatMessage:

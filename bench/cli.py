@@ -49,6 +49,9 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     endpoint.add_argument("--app", help="Serve application name (gRPC metadata)")
     endpoint.add_argument("--http", metavar="URL", help="OpenAI base URL, e.g. http://h:8000/v1")
     endpoint.add_argument("--label", default="endpoint", help="the system's name in the report")
+    endpoint.add_argument(
+        "--api-key", help="the endpoint's API key (default: $PDSERVE_API_KEY, else the local run's)"
+    )
     load = run.add_argument_group("load (default: each workload's own)")
     load.add_argument("--rate", type=float, action="append", help="Poisson req/s; repeat to sweep")
     load.add_argument(
@@ -130,10 +133,14 @@ def _systems(
 ) -> list[Callable[[], AbstractContextManager[Target]]]:
     if args.target and args.http:
         raise ValueError("give --target (gRPC) or --http, not both")
+    if args.target or args.http:
+        from deploy.local import client_api_key
+
+        api_key = client_api_key(args.api_key)
     if args.target:
-        return [partial(_running, GrpcTarget(args.label, args.target, args.app))]
+        return [partial(_running, GrpcTarget(args.label, args.target, args.app, api_key))]
     if args.http:
-        return [partial(_running, HttpTarget(args.label, args.http))]
+        return [partial(_running, HttpTarget(args.label, args.http, api_key=api_key))]
     from bench.systems import start_system
 
     return [partial(start_system, system, config) for system in args.systems]

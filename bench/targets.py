@@ -36,17 +36,26 @@ class GrpcTarget:
     """pdserve.v1 Generate through Ray Serve's gRPC proxy. The channel is opened on the first
     request, inside the event loop that uses it."""
 
-    def __init__(self, name: str, target: str, application: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        target: str,
+        application: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.name = name
         self.target = target
         self._application = application
+        self._api_key = api_key
         self._client: AsyncPDServeClient | None = None
 
     async def send(self, request: BenchRequest, record: RequestRecord, clock: Clock) -> None:
         if self._client is None:
             from api.client import AsyncPDServeClient
 
-            self._client = AsyncPDServeClient(self.target, self._application, timeout_s=600)
+            self._client = AsyncPDServeClient(
+                self.target, self._application, timeout_s=600, api_key=self._api_key
+            )
         stream = self._client.generate(
             request.prompt, max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True
         )
@@ -73,17 +82,20 @@ class HttpTarget:
     """OpenAI `/v1/completions` with `stream: true` (SSE). The chunks carry text, not token
     ids: each counts as one token, and the last takes the remainder of the usage count."""
 
-    def __init__(self, name: str, base_url: str, model: str = "") -> None:
+    def __init__(
+        self, name: str, base_url: str, model: str = "", api_key: str | None = None
+    ) -> None:
         self.name = name
         self._base = base_url.rstrip("/")
         self._model = model  # empty: the first model `/models` lists
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: httpx.AsyncClient | None = None
 
     async def send(self, request: BenchRequest, record: RequestRecord, clock: Clock) -> None:
         if self._client is None:
             import httpx
 
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0))
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=self._headers)
         if not self._model:
             listed = await self._client.get(f"{self._base}/models")
             listed.raise_for_status()

@@ -41,13 +41,34 @@ def _cmd_up(args: argparse.Namespace) -> int:
     config = AppConfig.model_validate(data)
     started = time.perf_counter()
     print(f"pdserve up: starting {config.name} ({config.topology}, model {config.engine.model})...")
-    run = up(config, http_port=args.http_port, grpc_port=args.grpc_port, timeout_s=args.timeout)
+    run = up(
+        config,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        timeout_s=args.timeout,
+        auth=not args.no_auth,
+    )
     print(f"pdserve is up in {time.perf_counter() - started:.0f} s")
+    if run.api_key:
+        # Printed once; `generate` and `bench` read it from the run state.
+        print(f"API key: {run.api_key}")
+    elif config.router.api_keys_file:
+        print(f"  API keys from {config.router.api_keys_file}")
     print(f"  gRPC    {run.grpc_target}  (pdserve.v1.PDServe, grpc.health.v1.Health)")
     print(f"  HTTP    {run.http_url}  (OpenAI: /completions, /chat/completions, /models)")
     print(f"  Ray     {run.ray_address}")
     print("  Redis   127.0.0.1 (private; URL in the run state)")
     print("  stop it with `pdserve down`")
+    return 0
+
+
+def _cmd_keys_new(args: argparse.Namespace) -> int:
+    from router.auth import key_line, new_key
+
+    key = new_key()
+    line = key_line(args.name, key)  # checks the name first
+    print(f"API key: {key}")
+    print(f"keys-file line (router.api_keys_file; only the hash): {line}")
     return 0
 
 
@@ -75,7 +96,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.local:
         return _generate_local(args)
     from api.client import PDServeClient, collect
-    from deploy.local import load_run
+    from deploy.local import client_api_key, load_run
 
     target = args.target
     if target is None:
@@ -91,7 +112,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt = args.prompt
     import grpc
 
-    with PDServeClient(target, timeout_s=args.timeout) as client:
+    api_key = client_api_key(args.api_key)
+    with PDServeClient(target, timeout_s=args.timeout, api_key=api_key) as client:
         try:
             stream = client.generate(prompt, **kwargs)  # type: ignore[arg-type]
             if args.stream:
@@ -160,6 +182,11 @@ def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
     up.add_argument("--http-port", type=int, default=8000)
     up.add_argument("--grpc-port", type=int, default=9000)
     up.add_argument("--timeout", type=float, default=900, help="seconds to wait for healthy")
+    up.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="no API key (refused unless every listener is on loopback)",
+    )
     up.set_defaults(func=_cmd_up)
 
     down = commands.add_parser("down", help="stop everything `pdserve up` started")
@@ -181,6 +208,7 @@ def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--timeout", type=float, default=300, help="seconds for the whole call")
+    gen.add_argument("--api-key", help="API key (default: $PDSERVE_API_KEY, else the local run's)")
     gen.add_argument(
         "--local", action="store_true", help="no server: run an in-process engine instead"
     )
@@ -200,6 +228,12 @@ def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
     add_operator_commands(commands)
     for add_commands in more_commands:
         add_commands(commands)
+
+    keys = commands.add_parser("keys", help="API keys for router.api_keys_file")
+    keys_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    new = keys_commands.add_parser("new", help="print a new key and its keys-file line")
+    new.add_argument("name", help="who the key is for (named in the keys file)")
+    new.set_defaults(func=_cmd_keys_new)
 
     model = commands.add_parser("model", help="prepare built-in models")
     model_commands = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")

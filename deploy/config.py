@@ -116,6 +116,19 @@ class RouterConfig(_Strict):
         default_factory=dict,
         description="Ray custom resources per router replica (places the routers)",
     )
+    max_prompt_chars: int = Field(
+        1_000_000, ge=1, description="prompt (or all messages') characters; 400 past it"
+    )
+    max_stop_chars: int = Field(256, ge=1, description="characters per stop string; 400 past it")
+    max_messages: int = Field(1024, ge=1, description="chat messages per request; 400 past it")
+    max_body_bytes: int = Field(
+        8 * 1024**2, ge=1024, description="HTTP request body bytes; 413 past it"
+    )
+    api_keys_file: str | None = Field(
+        None,
+        description="file of hashed API keys (router/auth.py) callers must present; "
+        "None: no authentication. Read when the app is built.",
+    )
 
 
 class AutoscalingSection(_Strict):

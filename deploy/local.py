@@ -5,9 +5,9 @@ Every process we start carries PDSERVE_RUN_ID in its environment and passes it t
 (Ray workers, Serve replicas, vLLM engine processes), so `down` can find and stop exactly the
 processes of this run and `leftover_pids` can prove none is left.
 
-The run's state (ports, PIDs, Redis URL, the path of its Ray token) is a JSON file under the
-run directory (PDSERVE_RUN_DIR, default ~/.cache/pdserve/run); `generate`, `status`, `scale`,
-`slo`, `down` and `bench` read it.
+The run's state (ports, PIDs, Redis URL, the path of its Ray token, its API key) is a JSON file
+(0600) under the run directory (PDSERVE_RUN_DIR, default ~/.cache/pdserve/run); `generate`,
+`status`, `scale`, `slo`, `down` and `bench` read it.
 
 Ray 2.60 refuses a token-auth cluster without a token. Each run makes its own with Ray's own
 generator, keeps it in the run's folder (0600 from creation) and hands every process of the run
@@ -54,6 +54,8 @@ class LocalRun:
     grpc_port: int
     temp_dir: str
     ray_token_path: str
+    # The run's API key ("" when the app runs without keys): `generate` and `bench` send it.
+    api_key: str = ""
 
     @property
     def grpc_target(self) -> str:
@@ -93,6 +95,19 @@ def load_run() -> LocalRun | None:
             f"{state_file()} is not a run state of this pdserve ({exc}); stop that run's "
             "processes and remove the file"
         ) from exc
+
+
+def client_api_key(explicit: str | None = None) -> str | None:
+    """The API key a command sends: `explicit` (--api-key), else $PDSERVE_API_KEY, else the
+    local run's; None when there is none."""
+    from api.client import API_KEY_ENV
+
+    if explicit:
+        return explicit
+    if os.environ.get(API_KEY_ENV):
+        return os.environ[API_KEY_ENV]
+    run = load_run()
+    return run.api_key if run is not None and run.api_key else None
 
 
 def write_private_file(path: Path, text: str) -> None:

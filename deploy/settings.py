@@ -10,6 +10,7 @@ from engine.settings import EngineSpec
 from kv_transfer.base import TransferSettings
 from prefill_workers.replica import ReplicaSettings
 from router.admission import AdmissionLimits
+from router.auth import ApiKeys
 from router.ingress import RouterSettings
 
 
@@ -71,4 +72,18 @@ def router_settings(config: AppConfig, release_is_idempotent: bool = False) -> R
         colocated=config.topology == "colocated",
         release_is_idempotent=release_is_idempotent,
         control_url=config.control.redis_url,
+        api_keys=_api_keys(router.api_keys_file),
+        max_prompt_chars=router.max_prompt_chars,
+        max_stop_chars=router.max_stop_chars,
+        max_messages=router.max_messages,
+        max_body_bytes=router.max_body_bytes,
     )
+
+
+def _api_keys(path: str | None) -> ApiKeys | None:
+    if path is None:
+        return None
+    try:
+        return ApiKeys.load(path)
+    except ValueError as exc:
+        raise ValueError(f"router.api_keys_file: {exc}") from None

@@ -30,7 +30,9 @@ from deploy.local import (
     start_ray_head,
     state_file,
     stop_pid,
+    write_private_file,
 )
+from router.auth import key_line, new_key
 
 
 class AlreadyUp(RuntimeError):
@@ -43,9 +45,42 @@ def _num_cpus(config: AppConfig) -> int:
     return max(os.cpu_count() or 1, int(sum(p.num_cpus * p.max_replicas for p in pools)) + 1)
 
 
+# Where each listener of a local run binds. Serve's gRPC proxy takes no host: it binds every
+# interface (ray.serve._private.grpc_util), so a local run always keeps its API keys.
+LISTENERS = {"HTTP": "127.0.0.1", "gRPC": "::"}
+
+
+def check_no_auth_allowed(listeners: dict[str, str] = LISTENERS) -> None:
+    """`--no-auth` only where nobody but this machine can connect."""
+    exposed = [f"{name} on {host}" for name, host in listeners.items() if not _is_loopback(host)]
+    if exposed:
+        raise ValueError(
+            "--no-auth is refused: not every listener is on loopback "
+            f"({', '.join(exposed)}; Serve's gRPC proxy binds all interfaces). "
+            "Use the API key `pdserve up` prints (clients read $PDSERVE_API_KEY)."
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def up(
-    config: AppConfig, http_port: int = 8000, grpc_port: int = 9000, timeout_s: float = 900
+    config: AppConfig,
+    http_port: int = 8000,
+    grpc_port: int = 9000,
+    timeout_s: float = 900,
+    auth: bool = True,
 ) -> LocalRun:
+    """Start the run. With `auth` and no keys file in `config`, the run gets a fresh API key
+    (hashed in its folder, the key itself in the 0600 run state for `generate` and `bench`)."""
+    if not auth:
+        check_no_auth_allowed()
     existing = load_run()
     if existing is not None:
         if marked_pids(existing.run_id):
@@ -62,6 +97,14 @@ def up(
     base = run_dir() / run_id
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     token_path = create_ray_token(base)
+    api_key = ""
+    if auth and config.router.api_keys_file is None:
+        api_key = new_key()
+        keys_path = base / "api-keys"
+        write_private_file(keys_path, key_line("local", api_key) + "\n")
+        config = config.model_copy(
+            update={"router": config.router.model_copy(update={"api_keys_file": str(keys_path)})}
+        )
     os.environ[RUN_MARKER] = run_id  # redis-server inherits it
     redis = start_redis_server(base / "redis")
     # The Ray head (so the Serve controller and its autoscaling policies) and build_app read the
@@ -81,6 +124,7 @@ def up(
             grpc_port=grpc_port,
             temp_dir=str(base),
             ray_token_path=str(token_path),
+            api_key=api_key,
         )
         run.save()
         config = config.model_copy(

@@ -2,7 +2,11 @@
 standard `grpc.health.v1.Health/Check`) and OpenAI HTTP (FastAPI), both over one RouterService.
 
 gRPC errors: the status is set on Serve's grpc_context before raising, which Serve's proxy
-turns into the call's status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) with our message.
+turns into the call's status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAUTHENTICATED) with our
+message.
+
+With API keys configured (router/auth.py), every generation and model-listing call needs one;
+the health checks stay open.
 """
 
 from __future__ import annotations
@@ -25,8 +29,15 @@ from control.store import ControlStore
 from engine.models import resolve_model
 from engine.prompts import load_tokenizer
 from router.admission import AdmissionLimits
+from router.auth import ApiKeys, Unauthenticated, bearer_token
 from router.metrics import RouterMetrics
-from router.openai_api import error_response, http_app, models_body, openai_generate
+from router.openai_api import (
+    error_response,
+    http_app,
+    models_body,
+    openai_generate,
+    unauthenticated_response,
+)
 from router.pools import ColocatedEngines, DisaggregatedEngines
 from router.service import (
     EngineStream,
@@ -82,6 +93,13 @@ class RouterSettings:
     release_is_idempotent: bool = False
     # Where latency samples go for `pdserve status`; None: nowhere.
     control_url: str | None = None
+    # The keys callers must present; None: no authentication.
+    api_keys: ApiKeys | None = None
+    # Input limits (RequestLimits, and the HTTP body's bytes: 413 past it).
+    max_prompt_chars: int = RequestLimits.max_prompt_chars
+    max_stop_chars: int = RequestLimits.max_stop_chars
+    max_messages: int = RequestLimits.max_messages
+    max_body_bytes: int = 8 * 1024**2
 
 
 def _router_replica_id() -> str:
@@ -111,6 +129,9 @@ class Router:
                 default_model=self.model_id,
                 max_tokens_limit=settings.max_tokens_limit,
                 default_max_tokens=settings.default_max_tokens,
+                max_prompt_chars=settings.max_prompt_chars,
+                max_stop_chars=settings.max_stop_chars,
+                max_messages=settings.max_messages,
             ),
             settings.admission,
             settings.max_model_len,
@@ -138,19 +159,43 @@ class Router:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def _authenticate(self, authorization: str | None) -> None:
+        """Raises Unauthenticated (counted) unless keys are off or `authorization` holds one."""
+        if self.settings.api_keys is None:
+            return
+        try:
+            self.settings.api_keys.authenticate(bearer_token(authorization))
+        except Unauthenticated:
+            self.service.record_refusal("unauthenticated")
+            raise
+
+    def _http_refusal(self, request: Request) -> JSONResponse | None:
+        """OpenAI's 401 when the request holds no valid key; None when it may go on."""
+        try:
+            self._authenticate(request.headers.get("authorization"))
+        except Unauthenticated as exc:
+            return unauthenticated_response(exc)
+        return None
+
     # --- OpenAI HTTP -----------------------------------------------------------------------
 
     @http_app.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
-        return await openai_generate(self.service, request, chat=False)
+        return self._http_refusal(request) or await openai_generate(
+            self.service, request, chat=False, max_body_bytes=self.settings.max_body_bytes
+        )
 
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Any:
-        return await openai_generate(self.service, request, chat=True)
+        return self._http_refusal(request) or await openai_generate(
+            self.service, request, chat=True, max_body_bytes=self.settings.max_body_bytes
+        )
 
     @http_app.get("/v1/models")
-    async def models(self) -> Any:
-        return JSONResponse(models_body(self.model_id, self.settings.max_model_len))
+    async def models(self, request: Request) -> Any:
+        return self._http_refusal(request) or JSONResponse(
+            models_body(self.model_id, self.settings.max_model_len)
+        )
 
     @http_app.get("/health")
     async def http_health(self) -> Any:
@@ -158,12 +203,23 @@ class Router:
 
     # --- gRPC: pdserve.v1.PDServe ------------------------------------------------------------
 
+    def _authenticate_grpc(self, grpc_context: Any) -> None:
+        metadata = dict(grpc_context.invocation_metadata() or ())
+        try:
+            self._authenticate(metadata.get("authorization"))
+        except Unauthenticated as exc:
+            grpc_context.set_code(grpc.StatusCode.UNAUTHENTICATED)
+            grpc_context.set_details(f"{exc}: send it as 'authorization: Bearer <key>' metadata")
+            raise
+
     def _prepare_grpc(self, message: Any, grpc_context: Any) -> PreparedRequest:
+        self._authenticate_grpc(grpc_context)
         try:
             if isinstance(message, MalformedRequest):
                 raise InvalidRequest("body", f"is not a valid {SERVICE} request: {message.error}")
             return self.service.prepare(request_to_body(message), message.request_id)
         except InvalidRequest as exc:
+            self.service.record_refusal("invalid")
             grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
             grpc_context.set_details(str(exc))
             raise
@@ -175,6 +231,7 @@ class Router:
             async for chunk in self.service.stream(prepared):
                 yield chunk
         except Overloaded as exc:
+            self.service.record_refusal("overloaded")
             grpc_context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
             grpc_context.set_details(str(exc))
             raise
@@ -220,7 +277,8 @@ class Router:
             serving=serving, status="SERVING" if serving else "NOT_SERVING", ready_replicas=ready
         )
 
-    async def ListModels(self, request: Any) -> Any:
+    async def ListModels(self, request: Any, grpc_context: Any) -> Any:
+        self._authenticate_grpc(grpc_context)
         return pdserve_pb2.ListModelsResponse(
             models=[
                 pdserve_pb2.ModelInfo(id=self.model_id, max_model_len=self.settings.max_model_len)

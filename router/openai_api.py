@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from router.auth import Unauthenticated
 from router.service import Overloaded, PreparedRequest, RouterService, StreamChunk
 from router.validation import InvalidRequest
 
@@ -26,15 +27,48 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
     return JSONResponse(body, status_code=status)
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+def unauthenticated_response(exc: Unauthenticated) -> JSONResponse:
+    """OpenAI's 401: the `openai` package raises AuthenticationError on it."""
+    body = {
+        "error": {
+            "message": f"{exc}: send it as 'Authorization: Bearer <key>'",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
+    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+class BodyTooLarge(Exception):
+    """The HTTP body is over the router's limit (413)."""
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge(f"body: is {declared} bytes; at most {max_bytes} are accepted")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():  # read no further than the limit
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge(f"body: is over {max_bytes} bytes; at most {max_bytes} are accepted")
+        chunks.append(chunk)
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest("body", f"is not valid JSON: {exc}") from None
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as exc:
+        # ValueError: bad JSON, bad UTF-8, or an integer past Python's digit limit;
+        # RecursionError: nesting deeper than the parser's stack.
+        raise InvalidRequest("body", f"is not valid JSON: {_short(exc)}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _chunk_json(prepared: PreparedRequest, chunk: StreamChunk, created: int) -> dict[str, Any]:
@@ -107,11 +141,13 @@ async def whole_response(
     }
 
 
-async def openai_generate(service: RouterService, request: Request, chat: bool) -> Any:
+async def openai_generate(
+    service: RouterService, request: Request, chat: bool, max_body_bytes: int
+) -> Any:
     """One OpenAI completion or chat completion; the stream starts only once the request has
     been admitted and its first token is out, so errors still get a proper status code."""
     try:
-        body = await read_json(request)
+        body = await read_json(request, max_body_bytes)
         field, other = ("messages", "prompt") if chat else ("prompt", "messages")
         if other in body:
             raise InvalidRequest(other, f"not accepted here; this endpoint takes {field}")
@@ -123,8 +159,13 @@ async def openai_generate(service: RouterService, request: Request, chat: bool) 
             return JSONResponse(await whole_response(prepared, chunks))
         first = await chunks.__anext__()
     except InvalidRequest as exc:
+        service.record_refusal("invalid")
         return error_response(400, str(exc), "invalid_request_error", exc.field)
+    except BodyTooLarge as exc:
+        service.record_refusal("too_large")
+        return error_response(413, str(exc), "invalid_request_error", "body")
     except Overloaded as exc:
+        service.record_refusal("overloaded")
         return error_response(429, str(exc), "rate_limit_exceeded")
     return StreamingResponse(
         sse_events(service, prepared, first, chunks), media_type="text/event-stream"

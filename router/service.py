@@ -67,7 +67,9 @@ class PreparedRequest:
     request: GenerationRequest
 
 
-Outcome = str  # "ok", "cancelled", "error"
+# "ok", "cancelled", "error"; refused before admission (no timings): "invalid" (400),
+# "unauthenticated" (401), "too_large" (413), "overloaded" (429).
+Outcome = str
 FinishHook = Callable[[Outcome, RequestTimings | None, int], None]
 
 
@@ -94,6 +96,11 @@ class RouterService:
     @property
     def num_in_flight(self) -> int:
         return self._state.num_in_flight
+
+    def record_refusal(self, outcome: Outcome) -> None:
+        """Count a request refused before it reached the engines (see `Outcome`)."""
+        if self._on_finish is not None:
+            self._on_finish(outcome, None, 0)
 
     def prepare(self, body: dict[str, Any], request_id: str = "") -> PreparedRequest:
         validated = validate_request(body, self.limits)

@@ -33,6 +33,7 @@ KNOWN_FIELDS = frozenset(
 )
 MAX_SEED = 2**63 - 1  # the protobuf field is int64
 MAX_STOP_SEQUENCES = 4
+_ECHO_CHARS = 80  # how much of a refused value an error message repeats
 
 
 class InvalidRequest(ValueError):
@@ -59,6 +60,9 @@ class RequestLimits:
     default_max_tokens: int = GenerationParams().max_tokens
     # Bounds the tokenizer's work before any token is counted.
     max_prompt_chars: int = 1_000_000
+    # The detokenizer scans each stop string on every token: their length bounds its cost.
+    max_stop_chars: int = 256
+    max_messages: int = 1024
 
     def __post_init__(self) -> None:
         if not self.served_models:
@@ -69,8 +73,8 @@ class RequestLimits:
             raise ValueError(f"max_tokens_limit must be in [1, {MAX_TOKENS_LIMIT}]")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError("default_max_tokens must be in [1, max_tokens_limit]")
-        if self.max_prompt_chars < 1:
-            raise ValueError("max_prompt_chars must be >= 1")
+        if min(self.max_prompt_chars, self.max_stop_chars, self.max_messages) < 1:
+            raise ValueError("max_prompt_chars, max_stop_chars and max_messages must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,7 @@ def validate_request(body: Mapping[str, Any], limits: RequestLimits) -> Validate
         messages=messages,
         params=params,
         stream=_optional_bool(body, "stream"),
-        stop=_stop(body.get("stop")),
+        stop=_stop(body.get("stop"), limits),
         is_max_tokens_explicit=max_tokens is not None,
     )
 
@@ -185,17 +189,24 @@ def _prompt_or_messages(
         if not prompt:
             raise InvalidRequest("prompt", "must not be empty")
         _check_chars("prompt", len(prompt), limits)
+        _check_text("prompt", prompt)
         return prompt, None
-    messages = _messages(raw_messages)
+    messages = _messages(raw_messages, limits)
     _check_chars("messages", sum(len(m.content) for m in messages), limits)
+    for i, message in enumerate(messages):
+        _check_text(f"messages[{i}].content", message.content)
     return None, messages
 
 
-def _messages(raw: object) -> tuple[ChatMessage, ...]:
+def _messages(raw: object, limits: RequestLimits) -> tuple[ChatMessage, ...]:
     if not isinstance(raw, list | tuple):
         raise InvalidRequest("messages", f"must be a list of messages, got {_type_name(raw)}")
     if not raw:
         raise InvalidRequest("messages", "must hold at least one message")
+    if len(raw) > limits.max_messages:
+        raise InvalidRequest(
+            "messages", f"holds {len(raw)} messages; at most {limits.max_messages} are accepted"
+        )
     messages = tuple(_message(f"messages[{i}]", item) for i, item in enumerate(raw))
     if not any(m.content for m in messages):
         raise InvalidRequest("messages", "must hold at least one message with non-empty content")
@@ -234,17 +245,43 @@ def _content(field: str, raw: object) -> str:
     return "".join(texts)
 
 
-def _stop(raw: object) -> tuple[str, ...]:
+def _stop(raw: object, limits: RequestLimits) -> tuple[str, ...]:
     if raw is None:
         return ()
     stops = (raw,) if isinstance(raw, str) else raw
     if not isinstance(stops, list | tuple) or not all(isinstance(s, str) for s in stops):
-        raise InvalidRequest("stop", f"must be a string or a list of strings, got {raw!r}")
+        raise InvalidRequest(
+            "stop", f"must be a string or a list of strings, got {_echo(repr(raw))}"
+        )
     if len(stops) > MAX_STOP_SEQUENCES or not all(stops):
         raise InvalidRequest(
-            "stop", f"must hold 1 to {MAX_STOP_SEQUENCES} non-empty strings, got {raw!r}"
+            "stop",
+            f"must hold 1 to {MAX_STOP_SEQUENCES} non-empty strings, got {len(stops)} "
+            f"({_echo(repr(raw))})",
         )
+    longest = max(len(s) for s in stops)
+    if longest > limits.max_stop_chars:
+        raise InvalidRequest(
+            "stop",
+            f"holds a {longest}-character string; at most {limits.max_stop_chars} are accepted",
+        )
+    for stop in stops:
+        _check_text("stop", stop)
     return tuple(stops)
+
+
+def _check_text(field: str, text: str) -> None:
+    """JSON may carry lone surrogates (\\ud800), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(
+            field, f"is not valid Unicode text ({exc.reason} at position {exc.start})"
+        ) from None
+
+
+def _echo(text: str) -> str:
+    return text if len(text) <= _ECHO_CHARS else f"{text[:_ECHO_CHARS]}... ({len(text)} chars)"
 
 
 def _check_chars(field: str, num_chars: int, limits: RequestLimits) -> None:

@@ -43,6 +43,9 @@ async def control_store(redis_server: RedisServer) -> AsyncIterator[ControlStore
 # --- The Serve apps (router + pools) on the session's Ray cluster --------------------------
 
 APP_TIMEOUT_S = 900
+# The deadline of each call of `ServedApp.client()` / `aclient()`: the calls here take seconds;
+# a wedged app fails in two minutes, not five.
+CALL_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class ServedApp:
     config: AppConfig
     grpc_target: str
     http_port: int
+    # The app's API key (router.api_keys_file holds its hash); None: the app takes no keys.
+    api_key: str | None = None
 
     @property
     def name(self) -> str:
@@ -62,11 +67,25 @@ class ServedApp:
     def openai_base(self) -> str:
         return f"http://127.0.0.1:{self.http_port}/{self.name}/v1"
 
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata of a raw call: the application, and the key when the app takes one."""
+        auth = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+        return (("application", self.name), *auth)
+
+    @property
+    def http_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def client(self) -> PDServeClient:
-        return PDServeClient(self.grpc_target, application=self.name, timeout_s=300)
+        return PDServeClient(
+            self.grpc_target, application=self.name, timeout_s=CALL_TIMEOUT_S, api_key=self.api_key
+        )
 
     def aclient(self) -> AsyncPDServeClient:
-        return AsyncPDServeClient(self.grpc_target, application=self.name, timeout_s=300)
+        return AsyncPDServeClient(
+            self.grpc_target, application=self.name, timeout_s=CALL_TIMEOUT_S, api_key=self.api_key
+        )
 
     @property
     def engine_deployments(self) -> tuple[str, ...]:
@@ -113,6 +132,26 @@ class ServedApp:
         got = self.kv_loads().minus(before)
         assert got == KVLoadCounts(num_loads=num_requests), got
 
+    async def diagnose(self, timeout_s: float = 30) -> dict[str, str]:
+        """What each engine replica answers (bounded: a replica that does not answer within
+        `timeout_s` says so), for the message of a test that timed out."""
+        from ray import serve
+
+        async def ask(deployment: str, method: str) -> str:
+            handle = serve.get_deployment_handle(deployment, self.name)
+            try:
+                return repr(await asyncio.wait_for(getattr(handle, method).remote(), timeout_s))
+            except TimeoutError:
+                return f"no answer in {timeout_s:.0f} s"
+            except Exception as exc:
+                return f"failed: {exc!r}"[:300]
+
+        asks = {f"{name}.is_idle": ask(name, "is_idle") for name in self.engine_deployments}
+        if self.is_disaggregated:
+            asks["Decode.kv_loads"] = ask("Decode", "kv_loads")
+        answers = await asyncio.gather(*asks.values())
+        return dict(zip(asks, answers, strict=True))
+
     async def wait_engines_idle(self, timeout_s: float = 60) -> dict[str, bool]:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -127,7 +166,7 @@ def on_host(host: str) -> dict[str, float]:
     return {f"host_{host}": 0.01}
 
 
-def _app_configs(redis_url: str) -> dict[str, AppConfig]:
+def _app_configs(redis_url: str, api_keys_file: str) -> dict[str, AppConfig]:
     # Router, prefill and decode on three different hosts: every hop crosses a host boundary.
     def pools(**router: object) -> dict[str, object]:
         return {
@@ -142,7 +181,8 @@ def _app_configs(redis_url: str) -> dict[str, AppConfig]:
         }
 
     return {
-        "nixl": AppConfig.model_validate({"name": "pd-nixl", **pools()}),
+        # The default backend's app takes API keys, as `pdserve up` does; the others none.
+        "nixl": AppConfig.model_validate({"name": "pd-nixl", **pools(api_keys_file=api_keys_file)}),
         "ray": AppConfig.model_validate(
             {"name": "pd-ray", "kv_transfer": {"backend": "ray"}, **pools()}
         ),
@@ -180,19 +220,30 @@ def serve_proxy(ray_cluster: object) -> Iterator[ServeProxy]:
 
 @pytest.fixture(scope="package")
 def serve_apps(
-    serve_proxy: ServeProxy, redis_server: RedisServer
+    serve_proxy: ServeProxy, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, ServedApp]]:
     """The disaggregated app over each KV backend and the colocated app, deployed together
-    (their engines start in parallel) behind the package's Serve HTTP and gRPC proxy."""
+    (their engines start in parallel) behind the package's Serve HTTP and gRPC proxy. The
+    nixl app takes an API key (`ServedApp.api_key`)."""
     from ray import serve
     from ray.serve import api as serve_api
 
     from deploy.app import build_app
     from deploy.up import wait_serving
+    from router.auth import key_line, new_key
 
+    api_key = new_key()
+    keys_file = tmp_path_factory.mktemp("keys") / "api-keys"
+    keys_file.write_text(key_line("e2e", api_key) + "\n")
     apps = {
-        key: ServedApp(key, config, serve_proxy.grpc_target, serve_proxy.http_port)
-        for key, config in _app_configs(redis_server.url).items()
+        key: ServedApp(
+            key,
+            config,
+            serve_proxy.grpc_target,
+            serve_proxy.http_port,
+            api_key if config.router.api_keys_file else None,
+        )
+        for key, config in _app_configs(redis_server.url, str(keys_file)).items()
     }
     for app in apps.values():
         serve_api._run(

@@ -52,7 +52,7 @@ def test_grpc_invalid_argument_names_the_field(
         stub = pdserve_pb2_grpc.PDServeStub(channel)
         request = pdserve_pb2.GenerateRequest(**fields)
         with pytest.raises(grpc.RpcError) as info:
-            list(stub.Generate(request, metadata=(("application", app.name),), timeout=60))
+            list(stub.Generate(request, metadata=app.metadata, timeout=60))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert field in info.value.details()
     assert_still_serving(app)
@@ -67,16 +67,18 @@ def test_grpc_malformed_protobuf_is_rejected(serve_apps: dict[str, ServedApp]) -
             response_deserializer=lambda b: b,
         )
         with pytest.raises(grpc.RpcError) as info:
-            list(
-                raw(b"\xff\xff\xff\x0f garbage", metadata=(("application", app.name),), timeout=60)
-            )
+            list(raw(b"\xff\xff\xff\x0f garbage", metadata=app.metadata, timeout=60))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert "body" in info.value.details()
     assert_still_serving(app)
 
 
-def _post(url: str, body: bytes) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+def _post(app: ServedApp, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(
+        f"{app.openai_base}/{path}",
+        data=body,
+        headers={"Content-Type": "application/json", **app.http_headers},
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             return response.status, json.loads(response.read())
@@ -116,6 +118,21 @@ HTTP_CASES: list[tuple[str, str, bytes, str]] = [
     ("prompt-too-long", "completions", json.dumps({"prompt": LONG_PROMPT}).encode(), "prompt"),
     ("messages-not-list", "chat/completions", json.dumps({"messages": "hi"}).encode(), "messages"),
     ("chat-missing-messages", "chat/completions", json.dumps({"prompt": "hi"}).encode(), "prompt"),
+    # JSON that used to give 500s, and unbounded inputs.
+    (
+        "5000-digit-int",
+        "completions",
+        b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+        "body",
+    ),
+    ("deep-nesting", "completions", b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "body"),
+    ("lone-surrogate", "completions", b'{"prompt": "hi \\ud800"}', "prompt"),
+    (
+        "long-stop-string",
+        "completions",
+        json.dumps({"prompt": "hi", "stop": ["x" * 100_000] * 4}).encode(),
+        "stop",
+    ),
 ]
 
 
@@ -126,10 +143,19 @@ def test_http_400_names_the_field(
     serve_apps: dict[str, ServedApp], case: str, path: str, body: bytes, field: str
 ) -> None:
     app = serve_apps["nixl"]
-    status, payload = _post(f"{app.openai_base}/{path}", body)
+    status, payload = _post(app, path, body)
     assert status == 400, payload
     assert payload["error"]["type"] == "invalid_request_error"
     assert field in payload["error"]["message"]
+    assert_still_serving(app)
+
+
+def test_http_body_over_the_limit_is_413(serve_apps: dict[str, ServedApp]) -> None:
+    app = serve_apps["nixl"]
+    limit = app.config.router.max_body_bytes
+    status, payload = _post(app, "completions", b'{"prompt": "' + b"x" * limit + b'"}')
+    assert status == 413, payload
+    assert payload["error"]["param"] == "body" and f"at most {limit}" in payload["error"]["message"]
     assert_still_serving(app)
 
 
@@ -142,9 +168,7 @@ def test_overload_is_resource_exhausted_then_recovers(serve_apps: dict[str, Serv
         with pytest.raises(grpc.RpcError) as info:
             list(client.generate("one too many", max_tokens=4))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        status, payload = _post(
-            f"{app.openai_base}/completions", json.dumps({"prompt": "too many"}).encode()
-        )
+        status, payload = _post(app, "completions", json.dumps({"prompt": "too many"}).encode())
         assert status == 429, payload
         for stream in holders:
             stream.close()  # cancels the call: frees the admission slots

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from api.client import API_KEY_ENV
 from bench.compare import compare
 from bench.record import RequestRecord
 from bench.report import Report
@@ -52,7 +54,7 @@ def test_short_run_produces_a_complete_report(
 ) -> None:
     pd, colocated = serve_apps["nixl"], serve_apps["colocated"]
     systems = [
-        partial(running, GrpcTarget("disaggregated", pd.grpc_target, pd.name)),
+        partial(running, GrpcTarget("disaggregated", pd.grpc_target, pd.name, pd.api_key)),
         partial(running, GrpcTarget("colocated", colocated.grpc_target, colocated.name)),
         partial(start_system, "engine", pd.config),
     ]
@@ -114,7 +116,7 @@ def test_http_target_counts_tokens_from_usage(
 ) -> None:
     pd = serve_apps["nixl"]
     requests = build_requests(WORKLOAD, load_tokenizer(str(tiny_model)), 3, seed=7)
-    target = HttpTarget("http", pd.openai_base)
+    target = HttpTarget("http", pd.openai_base, api_key=pd.api_key)
 
     async def go() -> list[RequestRecord]:
         try:
@@ -135,6 +137,7 @@ def test_cli_run_against_a_running_app_then_compare(
     workload = tmp_path / "w.yaml"
     workload.write_text(yaml.safe_dump(WORKLOAD.model_dump(mode="json")))
     out = tmp_path / "report"
+    assert pd.api_key  # the CLI reads it from the environment, as a user's shell would pass it
     run = subprocess.run(
         [
             sys.executable, "-m", "pdserve_cli", "bench", "run", "--target", pd.grpc_target,
@@ -142,6 +145,7 @@ def test_cli_run_against_a_running_app_then_compare(
             "--workload", str(workload), "--warmup", "1", "--out", str(out), "--no-progress",
         ],
         capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, API_KEY_ENV: pd.api_key},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     report = Report.load(out / "report.json")

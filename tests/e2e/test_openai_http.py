@@ -18,7 +18,9 @@ CHAT = [{"role": "user", "content": "What does the decode pool do?"}]
 def _client(app: ServedApp) -> object:
     import openai
 
-    return openai.OpenAI(base_url=app.openai_base, api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(
+        base_url=app.openai_base, api_key=app.api_key or "unused", max_retries=0, timeout=120
+    )
 
 
 def _expected_text(engine: LocalEngine, ids: list[int], max_tokens: int) -> str:

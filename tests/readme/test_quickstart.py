@@ -57,6 +57,9 @@ def local_run(
     try:
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         assert f"127.0.0.1:{grpc_port}" in up.stdout
+        # Secure by default: one key, printed once, kept in the (0600) run state.
+        printed = [line for line in up.stdout.splitlines() if line.startswith("API key: ")]
+        assert printed == [f"API key: {state['api_key']}"], up.stdout
         yield env, state
     finally:
         _pdserve(env, "down", timeout=180)
@@ -103,6 +106,63 @@ def test_status_shows_pools_and_latencies(
         assert "RUNNING: 1" in line
     ttft = next(line for line in status.stdout.splitlines() if line.strip().startswith("ttft"))
     assert int(ttft.split()[1]) == 2  # the two generate requests above, nothing else
+
+
+def test_calls_without_the_runs_key_are_refused(
+    local_run: tuple[dict[str, str], dict[str, object]],
+) -> None:
+    """Both surfaces want the key `up` printed; health stays open. (After the status test: the
+    one request served here adds a latency sample.)"""
+    import urllib.error
+    import urllib.request
+
+    import grpc
+
+    from api.gen import pdserve_pb2, pdserve_pb2_grpc
+
+    env, state = local_run
+    key = str(state["api_key"])
+    wrong = _pdserve(env, "generate", "hi", "--api-key", key[:-2] + "xx")
+    assert wrong.returncode == 2 and "UNAUTHENTICATED" in wrong.stderr, wrong.stderr[-2000:]
+    with grpc.insecure_channel(f"127.0.0.1:{state['grpc_port']}") as channel:
+        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        for metadata in ((), (("authorization", "Bearer nope"),), (("authorization", key),)):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Complete(
+                    pdserve_pb2.GenerateRequest(prompt="hi", max_tokens=2),
+                    metadata=metadata,
+                    timeout=60,
+                )
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ListModels(pdserve_pb2.ListModelsRequest(), metadata=metadata, timeout=60)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+        assert stub.Health(pdserve_pb2.HealthRequest(), timeout=60).serving
+
+    base = f"http://127.0.0.1:{state['http_port']}"
+
+    def post(headers: dict[str, str]) -> tuple[int, dict[str, object]]:
+        body = json.dumps({"prompt": "hi", "max_tokens": 2, "ignore_eos": True}).encode()
+        request = urllib.request.Request(
+            f"{base}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json", **headers},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {key}"}):
+        status, payload = post(headers)
+        assert status == 401, (headers, payload)
+        assert payload["error"]["code"] == "invalid_api_key", payload  # type: ignore[index]
+    status, payload = post({"Authorization": f"Bearer {key}"})
+    assert status == 200, payload
+    assert payload["usage"]["completion_tokens"] == 2  # type: ignore[index]
+    with urllib.request.urlopen(f"{base}/health", timeout=60) as health:
+        assert health.status == 200
 
 
 def test_down_leaves_no_process_and_no_listener(

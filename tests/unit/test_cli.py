@@ -22,14 +22,29 @@ def test_help_lists_only_working_commands() -> None:
     # Each listed command has a test that runs it for real: `model` and `generate --local`
     # below, `up`, `generate`, `status` and `down` in tests/readme/test_quickstart.py.
     # `slo` and `scale`: tests/e2e/test_autoscaling_serve_policy.py and test_autoscaling_app.py.
-    # `bench run` and `bench compare`: tests/e2e/test_bench_run.py.
+    # `bench run` and `bench compare`: tests/e2e/test_bench_run.py. `keys`: below.
     assert _listed_commands() == {
-        "up", "down", "status", "generate", "model", "slo", "scale", "bench"
+        "up", "down", "status", "generate", "model", "slo", "scale", "bench", "keys"
     }  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-m", "pdserve_cli", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "generate" in out and "model" in out
+
+
+def test_keys_new_prints_a_key_and_only_its_hash_for_the_file(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from router.auth import ApiKeys
+
+    assert main(["keys", "new", "ci-bot"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    key = out[0].removeprefix("API key: ")
+    line = out[1].rsplit(": ", 1)[1]
+    assert key.startswith("pds-") and key not in line
+    assert ApiKeys.parse(line).authenticate(key) == "ci-bot"
+    assert main(["keys", "new", "two words"]) == 2
+    assert "API key" not in capsys.readouterr().out  # no key is printed for a refused name
 
 
 def test_model_prepare(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -93,6 +93,14 @@ def chat(*messages: Any) -> dict[str, Any]:
         ),
         (chat({"role": "user", "content": "hi", "name": "bob"}), "messages[0].name", "unknown"),
         (chat({"role": "user", "content": ""}), "messages", "non-empty content"),
+        # Bounded inputs: a stop string's length (scanned on every token), the message count.
+        (make_body(stop=["x" * 257]), "stop", "257-character string; at most 256"),
+        (make_body(stop=["x" * 100_000] * 5), "stop", "1 to 4 non-empty strings, got 5"),
+        (chat(*[{"role": "user", "content": "hi"}] * 1025), "messages", "1025 messages; at most"),
+        # Lone surrogates parse from JSON ("\\ud800") but no tokenizer can encode them.
+        (make_body(prompt="ok \ud800"), "prompt", "not valid Unicode text"),
+        (chat({"role": "user", "content": "\udfff"}), "messages[0].content", "not valid Unicode"),
+        (make_body(stop=["\ud800"]), "stop", "not valid Unicode text"),
     ],
 )
 def test_bad_bodies_raise_naming_the_field(body: dict[str, Any], field: str, words: str) -> None:
@@ -102,6 +110,12 @@ def test_bad_bodies_raise_naming_the_field(body: dict[str, Any], field: str, wor
     assert raised.value.field == field
     assert str(raised.value).startswith(f"{field}: ")
     assert words in str(raised.value)
+
+
+def test_a_refused_huge_value_is_not_echoed_whole() -> None:
+    with pytest.raises(InvalidRequest) as raised:
+        validate_request(make_body(stop=["x" * 100_000] * 5), LIMITS)
+    assert len(str(raised.value)) < 300
 
 
 def test_model_is_required_without_a_default() -> None:

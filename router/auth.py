@@ -1,0 +1,121 @@
+"""API keys: who may call the router's generation surfaces (HTTP and gRPC). Pure: no I/O here
+but reading the keys file.
+
+A keys file holds one key per line, hashed, never the key itself:
+
+    # name  sha256 of the key
+    alice   sha256:5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8
+
+`pdserve up` writes one for its run (0600, in the run folder) and prints the key once;
+`pdserve keys new NAME` prints a new key and the line to add. Clients send the key as
+`Authorization: Bearer <key>` (HTTP) or `authorization: Bearer <key>` metadata (gRPC); the
+health endpoints stay open. A refusal is HTTP 401 with OpenAI's error body, or gRPC
+UNAUTHENTICATED.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+KEY_PREFIX = "pds-"
+_HASH = re.compile(r"sha256:[0-9a-f]{64}")
+_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+
+
+def new_key() -> str:
+    """A fresh key: 256 random bits, URL-safe."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_key(key: str) -> str:
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def key_line(name: str, key: str) -> str:
+    """The keys-file line for `key` under `name`."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"key name {name!r}: use 1-64 of A-Z a-z 0-9 _ . @ -")
+    return f"{name} {hash_key(key)}"
+
+
+def bearer_token(header: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` value; None when absent or malformed."""
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token
+
+
+class Unauthenticated(Exception):
+    """No key, or a key that is not in the keys file (HTTP 401 / gRPC UNAUTHENTICATED)."""
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    """The accepted keys as (name, "sha256:<hex>") pairs; picklable, safe to hand to replicas
+    (the hashes of 256-bit random keys reveal nothing usable)."""
+
+    entries: tuple[tuple[str, str], ...]
+
+    def __post_init__(self) -> None:
+        if not self.entries:
+            raise ValueError("an API keys file must hold at least one key")
+
+    @classmethod
+    def parse(cls, text: str, source: str = "keys file") -> ApiKeys:
+        entries: list[tuple[str, str]] = []
+        for number, raw in enumerate(text.splitlines(), start=1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) != 2 or not _NAME.fullmatch(parts[0]) or not _HASH.fullmatch(parts[1]):
+                raise ValueError(
+                    f"{source}, line {number}: expected '<name> sha256:<64 hex digits>' "
+                    "(keys are stored hashed; `pdserve keys new NAME` prints the line)"
+                )
+            entries.append((parts[0], parts[1]))
+        names = [name for name, _ in entries]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate is not None:
+            raise ValueError(f"{source}: key name {duplicate!r} appears twice")
+        if not entries:
+            raise ValueError(f"{source}: holds no key")
+        return cls(tuple(entries))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ApiKeys:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ValueError(f"API keys file {path}: {exc.strerror or exc}") from None
+        return cls.parse(text, f"API keys file {path}")
+
+    @classmethod
+    def of(cls, keys: Iterable[tuple[str, str]]) -> ApiKeys:
+        """From (name, plain key) pairs (tests and `pdserve up`)."""
+        return cls.parse("\n".join(key_line(name, key) for name, key in keys))
+
+    def authenticate(self, key: str | None) -> str:
+        """The name of `key`; raises Unauthenticated. Every entry is compared, in constant
+        time, so the time taken says nothing about which hash came close."""
+        if not key:
+            raise Unauthenticated("missing API key")
+        digest = hash_key(key)
+        found = None
+        for name, expected in self.entries:
+            if hmac.compare_digest(digest, expected):
+                found = name
+        if found is None:
+            raise Unauthenticated("invalid API key")
+        return found
