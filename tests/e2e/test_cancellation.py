@@ -11,6 +11,8 @@ from tests.e2e.conftest import ServedApp
 
 pytestmark = pytest.mark.engine
 
+CASES_TIMEOUT_S = 180
+
 
 async def _cancel_after(app: ServedApp, prompt: str, num_chunks: int, delay_s: float) -> int:
     """Start a long stream, read `num_chunks` messages (or wait `delay_s`), then cancel it."""
@@ -49,7 +51,11 @@ async def test_cancelled_streams_leave_no_kv_blocks(
     if key == "colocated":
         cases = cases[:2]  # this app admits two requests at a time
     before = await app.akv_loads() if app.is_disaggregated else None
-    await asyncio.gather(*cases)
+    try:
+        # Bounded: a stream that never starts fails here, with what each engine answers.
+        await asyncio.wait_for(asyncio.gather(*cases), CASES_TIMEOUT_S)
+    except TimeoutError:
+        pytest.fail(f"cancel cases still running after {CASES_TIMEOUT_S} s: {await app.diagnose()}")
     idle = await app.wait_engines_idle(timeout_s=90)
     assert all(idle.values()), idle
     if before is not None:  # loads cut short by a cancel are not failed loads
