@@ -45,10 +45,16 @@ class Detokenizer:
 
 
 def _longest_stop_prefix(text: str, stops: Sequence[str]) -> int:
+    """The length of the longest end of `text` that begins some stop string (but is not all of
+    it). Only the places in the tail where a stop string's first character occurs are tried,
+    longest first, so the cost follows those few places, not the stop strings' lengths."""
     best = 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
+        start = len(text) - min(len(stop) - 1, len(text))
+        at = text.find(stop[0], start)
+        while at >= 0 and len(text) - at > best:
+            if stop.startswith(text[at:]):
+                best = len(text) - at
                 break
+            at = text.find(stop[0], at + 1)
     return best
