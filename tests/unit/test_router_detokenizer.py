@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from router.detokenizer import Detokenizer
+from router.detokenizer import Detokenizer, _longest_stop_prefix
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +62,19 @@ def test_a_partial_stop_string_is_held_back(tokenizer: Any) -> None:
     delta, finish = detok.push(ids, None)
     assert finish is None
     assert not delta.endswith("st")  # might still become "stops here"
+
+
+@settings(max_examples=2000, deadline=None)
+@given(
+    text=st.text(alphabet="ab\u00e9", max_size=30),
+    stops=st.lists(st.text(alphabet="ab\u00e9", min_size=1, max_size=8), min_size=1, max_size=4),
+)
+def test_held_back_prefix_is_the_longest_end_that_begins_a_stop(
+    text: str, stops: list[str]
+) -> None:
+    # The definition, checked by brute force: the longest proper prefix of a stop string that
+    # the text ends with.
+    want = max(
+        (n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0
+    )
+    assert _longest_stop_prefix(text, stops) == want
