@@ -133,5 +133,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "tests that start an engine need @pytest.mark.engine: " + ", ".join(unmarked)
         )
     # The README's quick start first, under a fresh HOME, before any other test has left state
-    # (a Ray token, a model cache) on this machine that could hide a missing step.
-    items.sort(key=lambda item: 0 if item.nodeid.startswith("tests/readme/") else 1)
+    # (a Ray token, a model cache) on this machine that could hide a missing step. Then the
+    # autoscaling app, before any module deploys the e2e package's shared apps: it scales a
+    # pool up, and its new replica needs the cores and Ray CPUs those apps would hold (a
+    # module sorting before it, test_api_keys.py, once left the second replica pending).
+    first = ("tests/readme/", "tests/e2e/test_autoscaling_app.py")
+    items.sort(
+        key=lambda item: next(
+            (i for i, prefix in enumerate(first) if item.nodeid.startswith(prefix)), len(first)
+        )
+    )
