@@ -121,7 +121,10 @@ def build_app(config: AppConfig) -> Application:
     router = serve.deployment(Router).options(
         name="Router",
         num_replicas=config.router.num_replicas,
-        max_ongoing_requests=max(1, config.router.max_in_flight * 2),
+        # Admission is the router's own (429 at once); Serve's cap only bounds what one replica
+        # holds, and its proxy queue is bounded too (no unbounded wait in front of a full app).
+        max_ongoing_requests=config.router.max_in_flight + config.router.refusal_room,
+        max_queued_requests=config.router.max_queued_requests,
         ray_actor_options={
             "num_cpus": 0,
             **({"resources": dict(config.router.resources)} if config.router.resources else {}),

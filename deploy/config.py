@@ -108,6 +108,18 @@ class RouterConfig(_Strict):
     max_queued_prompt_tokens: int = Field(
         65_536, ge=1, description="admitted, not yet prefilled prompt tokens per router replica"
     )
+    refusal_room: int = Field(
+        256,
+        ge=1,
+        description="calls past max_in_flight a router replica takes only to refuse at once "
+        "(429 / RESOURCE_EXHAUSTED) instead of Serve's proxy queuing them",
+    )
+    max_queued_requests: int = Field(
+        256,
+        ge=1,
+        description="calls Serve's proxy holds for a router replica that has max_in_flight + "
+        "refusal_room in hand; past it Serve refuses them (gRPC RESOURCE_EXHAUSTED, HTTP 503)",
+    )
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a client may ask")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when the client sends none")
     prefix_ttl_s: float = Field(300.0, gt=0, description="how long a prefix-index entry lives")

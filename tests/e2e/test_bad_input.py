@@ -3,6 +3,7 @@ RESOURCE_EXHAUSTED / 429. After each one the app still serves a valid request.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
@@ -172,6 +173,23 @@ def test_overload_is_resource_exhausted_then_recovers(serve_apps: dict[str, Serv
         assert status == 429, payload
         for stream in holders:
             stream.close()  # cancels the call: frees the admission slots
+    assert_still_serving_eventually(app)
+
+
+def test_a_burst_of_200_past_admission_is_refused_and_the_admitted_finish(
+    serve_apps: dict[str, ServedApp],
+) -> None:
+    """bench/overload.py's burst on the app that admits two: while both held streams are still
+    streaming, all 200 more are refused with RESOURCE_EXHAUSTED (no other code, no hang), and
+    the held ones finish whole."""
+    from bench.overload import run
+
+    app = serve_apps["colocated"]
+    report = asyncio.run(run(app.grpc_target, app.metadata, hold=2, burst=200, max_tokens=1000))
+    shown = json.dumps(report)
+    assert report["held_open_after_burst"] == 2, shown
+    assert report["burst_codes"] == {"RESOURCE_EXHAUSTED": 200}, shown
+    assert report["held_codes"] == {"OK": 2} and report["held_full"] == 2, shown
     assert_still_serving_eventually(app)
 
 

@@ -127,3 +127,14 @@ def test_the_redis_password_stays_out_of_the_request_routers_kwargs() -> None:
         ]
         == config.name
     )
+
+
+def test_the_router_refuses_past_admission_and_serves_proxy_queue_is_bounded() -> None:
+    """Serve's proxy queues calls past a replica's max_ongoing_requests (unbounded by default):
+    a burst would wait there instead of meeting the router's own 429. The router takes
+    max_in_flight + refusal_room, and the proxy holds at most max_queued_requests more."""
+    config = load_app_config(DEPLOY / "configs" / "local.yaml")
+    router = build_app(config)._bound_deployment
+    assert router.name == "Router"
+    assert router.max_ongoing_requests == config.router.max_in_flight + config.router.refusal_room
+    assert router.max_queued_requests == config.router.max_queued_requests > 0

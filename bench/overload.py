@@ -1,0 +1,164 @@
+"""A burst far past admission against a running app: how fast the excess is refused, whether
+the admitted streams finish, and what the burst costs the router's memory.
+
+    .venv/bin/python -m bench.overload [--hold 20] [--burst 200] [--max-tokens 64]
+                                       [--target HOST:PORT --api-key KEY]
+
+`--hold` streams (`--max-tokens` each) are opened first and each waits for its first token
+(admitted); then `--burst` more are sent at once. The app's router should admit `--hold`
+requests (its `router.max_in_flight`), so every burst stream is over capacity: each should end
+with RESOURCE_EXHAUSTED, and the time from sending it to that status is the refusal latency.
+The held streams must all finish with `--max-tokens` tokens. Without --target it runs against
+the local run of `pdserve up` and reads the RSS of that run's router replica before and after
+the burst (and its peak) from /proc.
+
+Prints one JSON object: the codes seen, refusal latency percentiles (ms), held streams finished,
+and the router's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+
+from api.gen import pdserve_pb2, pdserve_pb2_grpc
+from bench.stats import percentile
+
+
+def _router_pid(run_id: str, app: str) -> int | None:
+    from deploy.local import marked_pids
+
+    name = f"ServeReplica:{app}:Router".encode()
+    for pid in marked_pids(run_id):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::" + name):
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def _memory_kib(pid: int | None) -> dict[str, int]:
+    if pid is None:
+        return {}
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0])
+    return fields
+
+
+async def _stream(
+    stub: pdserve_pb2_grpc.PDServeStub,
+    prompt: str,
+    max_tokens: int,
+    metadata: tuple[tuple[str, str], ...],
+    first: asyncio.Event | None = None,
+) -> tuple[str, float, int]:
+    """(status code name, seconds to the first message or the status, tokens received)."""
+    request = pdserve_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    answered = None
+    tokens = 0
+    call = stub.Generate(request, metadata=metadata, timeout=300)
+    try:
+        async for chunk in call:
+            if answered is None:
+                answered = time.perf_counter() - started
+                if first is not None:
+                    first.set()
+            tokens += len(chunk.token_ids)
+        return "OK", answered or 0.0, tokens
+    except grpc.aio.AioRpcError as error:
+        return error.code().name, answered or time.perf_counter() - started, tokens
+    finally:
+        if first is not None:
+            first.set()  # a held stream refused or ended early does not block the burst
+
+
+async def run(
+    target: str,
+    metadata: tuple[tuple[str, str], ...],
+    hold: int,
+    burst: int,
+    max_tokens: int,
+    router_pid: int | None = None,
+    burst_max_tokens: int = 8,
+) -> dict[str, object]:
+    """The burst against `target` (`metadata` on every call: the key, the application);
+    `router_pid`: whose memory to read (None: not read)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        firsts = [asyncio.Event() for _ in range(hold)]
+        held = [
+            asyncio.ensure_future(
+                _stream(stub, f"held stream {i}: tell me a story", max_tokens, metadata, firsts[i])
+            )
+            for i in range(hold)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), timeout=600)
+        before = _memory_kib(router_pid)
+        sent = time.perf_counter()
+        results = await asyncio.gather(
+            *(_stream(stub, f"burst {i}", burst_max_tokens, metadata) for i in range(burst))
+        )
+        burst_s = time.perf_counter() - sent
+        # Still streaming when the last burst call ended: the burst met a full router.
+        held_open = sum(1 for task in held if not task.done())
+        after = _memory_kib(router_pid)
+        held_results = await asyncio.gather(*held)
+    refused_ms = [1000 * s for code, s, _ in results if code == "RESOURCE_EXHAUSTED"]
+    return {
+        "target": target,
+        "hold": hold,
+        "burst": burst,
+        "burst_codes": dict(Counter(code for code, _, _ in results)),
+        "burst_wall_s": round(burst_s, 3),
+        "refusal_ms": {
+            name: round(percentile(refused_ms, q), 1)
+            for name, q in (("p50", 50), ("p95", 95), ("p99", 99), ("max", 100))
+        }
+        if refused_ms
+        else {},
+        "held_open_after_burst": held_open,
+        "held_codes": dict(Counter(code for code, _, _ in held_results)),
+        "held_full": sum(1 for code, _, n in held_results if code == "OK" and n == max_tokens),
+        "router_rss_kib": {
+            "before": before.get("VmRSS"),
+            "after": after.get("VmRSS"),
+            "peak": after.get("VmHWM"),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", help="HOST:PORT of a gRPC endpoint (default: the local run)")
+    parser.add_argument("--api-key")
+    parser.add_argument("--hold", type=int, default=20)
+    parser.add_argument("--burst", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=64, help="of each held stream")
+    args = parser.parse_args(argv)
+    from deploy.local import client_api_key, load_run
+
+    run_state = load_run()
+    target = args.target or (run_state.grpc_target if run_state else None)
+    if target is None:
+        parser.error("no --target and no local run")
+    pid = None if args.target or run_state is None else _router_pid(run_state.run_id, run_state.app)
+    key = client_api_key(args.api_key)
+    metadata = (("authorization", f"Bearer {key}"),) if key else ()
+    report = asyncio.run(run(target, metadata, args.hold, args.burst, args.max_tokens, pid))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
