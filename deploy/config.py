@@ -100,6 +100,12 @@ class TransferConfig(_Strict):
         "recompute", description="what decode does when the KV cannot be loaded or verified"
     )
     lease_seconds: float = Field(60.0, gt=0, description="how long an unclaimed KV handoff lives")
+    host: str | None = Field(
+        None,
+        description="address the engines listen on for KV handshakes (NIXL's side channel) and "
+        "vLLM's own sockets; None: the node's address, which other hosts reach. `pdserve up` "
+        "uses 127.0.0.1 (one host, nothing off loopback)",
+    )
 
 
 class RouterConfig(_Strict):
@@ -134,7 +140,11 @@ class RouterConfig(_Strict):
     max_stop_chars: int = Field(256, ge=1, description="characters per stop string; 400 past it")
     max_messages: int = Field(1024, ge=1, description="chat messages per request; 400 past it")
     max_body_bytes: int = Field(
-        8 * 1024**2, ge=1024, description="HTTP request body bytes; 413 past it"
+        8 * 1024**2,
+        ge=1024,
+        description="HTTP request body bytes (413 past it) and gRPC message bytes (RESOURCE_"
+        "EXHAUSTED; `pdserve up` sets it on Serve's proxy, a cluster sets "
+        "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE on its nodes)",
     )
     api_keys_file: str | None = Field(
         None,

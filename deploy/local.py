@@ -165,14 +165,21 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def start_ray_head(
-    run_id: str, log_dir: Path, num_cpus: int, token_path: Path, timeout_s: float = 180
+    run_id: str,
+    log_dir: Path,
+    num_cpus: int,
+    token_path: Path,
+    timeout_s: float = 180,
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[int, str]:
     """`ray start --head --block` in its own session; returns (pid, GCS address) once the GCS
     answers. --block keeps the process: SIGTERM to it stops the whole local cluster. The
-    timeout is generous: on two busy cores the head took over a minute."""
+    timeout is generous: on two busy cores the head took over a minute. `extra_env` reaches
+    every process of the cluster (Serve's proxy and controller read their settings there)."""
     port = free_port()
     env = {
         **os.environ,
+        **(extra_env or {}),
         **ray_auth_env(token_path),
         RUN_MARKER: run_id,
         "RAY_USAGE_STATS_ENABLED": "0",

@@ -40,6 +40,7 @@ def transfer_settings(config: AppConfig) -> TransferSettings:
         backend=transfer.backend,
         failure_policy=transfer.failure_policy,
         lease_seconds=transfer.lease_seconds,
+        listen_host=transfer.host,
         ray_namespace="pdserve",
         lease_registry=f"pdserve-kv-leases-{config.name}",
     )

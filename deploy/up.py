@@ -39,6 +39,18 @@ class AlreadyUp(RuntimeError):
     pass
 
 
+LOOPBACK = "127.0.0.1"
+# Serve's gRPC proxy reads its message size limit (2 GiB by default) from its environment.
+GRPC_MESSAGE_LIMIT_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+
+
+def _cluster_env(config: AppConfig) -> dict[str, str]:
+    """Settings of the local cluster's processes that come from the app's config: a gRPC
+    message is held to the HTTP body's limit (larger ones end RESOURCE_EXHAUSTED in the proxy,
+    before anything is parsed)."""
+    return {GRPC_MESSAGE_LIMIT_ENV: str(config.router.max_body_bytes)}
+
+
 def _num_cpus(config: AppConfig) -> int:
     # Logical CPUs for Ray: enough for every pool at its max size, whatever the cores.
     pools = config.pools.values()
@@ -47,7 +59,7 @@ def _num_cpus(config: AppConfig) -> int:
 
 # Where each listener of a local run binds. Serve's gRPC proxy takes no host: it binds every
 # interface (ray.serve._private.grpc_util), so a local run always keeps its API keys.
-LISTENERS = {"HTTP": "127.0.0.1", "gRPC": "::"}
+LISTENERS = {"HTTP": LOOPBACK, "gRPC": "::"}
 
 
 def check_no_auth_allowed(listeners: dict[str, str] = LISTENERS) -> None:
@@ -93,6 +105,10 @@ def up(
             raise ValueError(
                 f"{name} port {port} is in use; pick another with --{name.lower()}-port"
             )
+    if config.kv_transfer.host is None:  # one host: the engines listen on loopback only
+        config = config.model_copy(
+            update={"kv_transfer": config.kv_transfer.model_copy(update={"host": LOOPBACK})}
+        )
     run_id = new_run_id()
     base = run_dir() / run_id
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -112,7 +128,9 @@ def up(
     os.environ[REDIS_URL_ENV] = redis.url
     ray_pid = 0
     try:
-        ray_pid, address = start_ray_head(run_id, base, _num_cpus(config), token_path)
+        ray_pid, address = start_ray_head(
+            run_id, base, _num_cpus(config), token_path, extra_env=_cluster_env(config)
+        )
         run = LocalRun(
             run_id=run_id,
             app=config.name,
@@ -155,7 +173,7 @@ def _deploy(run: LocalRun, config: AppConfig, timeout_s: float) -> None:
     )
     try:
         serve.start(
-            http_options={"host": "127.0.0.1", "port": run.http_port},
+            http_options={"host": LOOPBACK, "port": run.http_port},
             grpc_options=gRPCOptions(port=run.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
         )
         # Returns at once; wait_serving below bounds the wait and reports a failed deploy.

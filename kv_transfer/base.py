@@ -51,6 +51,13 @@ class TransferSettings:
     # is the node's IP; 127.0.0.1 serves one host only ("localhost" on another host is that
     # host's own loopback).
     node_ip: str = "127.0.0.1"
+    # Where the engine's listeners bind (NIXL's side channel, vLLM's own sockets), and what it
+    # announces to its peers; None: node_ip. Loopback keeps a one-host run off the network.
+    listen_host: str | None = None
+
+    @property
+    def engine_host(self) -> str:
+        return self.listen_host or self.node_ip
 
     def __post_init__(self) -> None:
         if self.failure_policy not in ("recompute", "fail"):
@@ -115,8 +122,10 @@ class KVBackend(ABC):
         return self.consumer_request_params(pull)
 
     def process_env(self) -> dict[str, str]:
-        """Environment the engine processes need before they start."""
-        return {}
+        """Environment the engine processes need before they start: vLLM binds its own
+        sockets (torch.distributed's store) to VLLM_HOST_IP, else to the address of the
+        interface its default route leaves by."""
+        return {"VLLM_HOST_IP": self.settings.engine_host}
 
 
 _BACKENDS: dict[str, type[KVBackend]] = {}

@@ -6,6 +6,7 @@ which tames NIXL's busy-polling threads before the agent starts (see that module
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from typing import Any
 
@@ -43,9 +44,17 @@ class NixlBackend(KVBackend):
         # announces VLLM_NIXL_SIDE_CHANNEL_HOST in its handoff: vLLM's default, "localhost",
         # sent a decode engine on another host to its own loopback (handshake timeout, then a
         # silent recompute of the whole prompt).
-        host = self.settings.node_ip
+        host = self.settings.engine_host
         port = self.settings.nixl_port or free_port(host)
-        return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+        env = {
+            **super().process_env(),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
+        }
+        if ipaddress.ip_address(host).is_loopback:
+            # UCX's TCP transport listens on every network device unless told otherwise.
+            env["UCX_NET_DEVICES"] = "lo"
+        return env
 
 
 def free_port(host: str) -> int:

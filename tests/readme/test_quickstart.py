@@ -22,7 +22,7 @@ import pytest
 
 from deploy.local import free_port, marked_pids, pid_is_alive, ray_temp_dir
 from engine.models import cache_root
-from tests.procs import descendants, listening_ports
+from tests.procs import descendants, listening_ports, listening_sockets
 
 pytestmark = pytest.mark.engine
 
@@ -167,6 +167,39 @@ def test_calls_without_the_runs_key_are_refused(
         assert health.status == 200
 
 
+def test_a_grpc_message_past_the_body_limit_is_refused_by_the_proxy(
+    local_run: tuple[dict[str, str], dict[str, object]],
+) -> None:
+    """`up` holds gRPC messages to router.max_body_bytes (8 MiB) instead of Serve's 2 GiB: one
+    byte over ends RESOURCE_EXHAUSTED before the router sees it, while a 2 MB prompt still
+    reaches the router and meets its own limit (INVALID_ARGUMENT naming the prompt)."""
+    import grpc
+
+    from api.gen import pdserve_pb2, pdserve_pb2_grpc
+
+    _, state = local_run
+    metadata = (("authorization", f"Bearer {state['api_key']}"),)
+    limit = 8 * 1024**2
+    with grpc.insecure_channel(f"127.0.0.1:{state['grpc_port']}") as channel:
+        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        for size, code, named in (
+            (limit + 1, grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+            (2_000_000, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        ):
+            request = pdserve_pb2.GenerateRequest(prompt="x" * size, max_tokens=2)
+            assert request.ByteSize() > size
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Complete(request, metadata=metadata, timeout=120)
+            assert refused.value.code() == code, (size, refused.value.details())
+            assert named in (refused.value.details() or ""), refused.value.details()
+        done = stub.Complete(
+            pdserve_pb2.GenerateRequest(prompt="hi", max_tokens=2, ignore_eos=True),
+            metadata=metadata,
+            timeout=120,
+        )
+        assert len(done.token_ids) == 2  # still serving
+
+
 _SERVE_DETAILS = """
 import json, sys
 import ray
@@ -229,6 +262,50 @@ def test_the_redis_password_is_in_no_rest_response_argv_or_open_file(
                 readable += 1
                 assert password.encode() not in path.read_bytes(), path
     assert readable > 10, "Ray's session logs are world-readable and were searched"
+
+
+# Processes of the run that are pdserve's own (not Ray's or Serve's): they listen on loopback only.
+_OWN_PROCESSES = (b"/usr/bin/redis-server", b"redis-server", b"VLLM::")
+
+
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def test_pdserves_own_listeners_are_on_loopback(
+    local_run: tuple[dict[str, str], dict[str, object]],
+) -> None:
+    """Redis, the engines (NIXL's side channel, vLLM's own sockets) and Serve's HTTP proxy bind
+    loopback. What binds every interface is Ray's (GCS, raylet, agents, Serve's controller and
+    replicas: Ray 2.60 takes no bind address; the run's Ray token guards them) and Serve's gRPC
+    proxy (it takes no host; the run's API key guards it): listed here, so a new one fails."""
+    _, state = local_run
+    tree = descendants([int(state["ray_pid"]), int(state["redis_pid"])])  # type: ignore[call-overload]
+    own, exposed = [], []
+    for pid in tree:
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+            name = argv.split(b"\0")[0].strip()[-40:].decode(errors="replace")
+            is_ray = argv.startswith(b"ray::") or any(
+                mark in argv
+                for mark in (b"/site-packages/ray/", b"\0ray.")  # -m ray.util...
+            )
+            for address, port in listening_sockets([pid]):
+                if argv.startswith(_OWN_PROCESSES) or port == state["http_port"]:
+                    own.append((name, address, port))
+                elif not _is_loopback(address):
+                    exposed.append((name, address, port, is_ray))
+    assert {p for _, _, p in own} >= {int(state["http_port"])}  # type: ignore[call-overload]
+    assert sum(1 for name, _, _ in own if name.startswith("VLLM::")) >= 4, own  # side channels
+    assert [e for e in own if not _is_loopback(e[1])] == [], own
+    assert [e for e in exposed if not e[3]] == [], exposed
+    grpc_listeners = [e for e in exposed if e[2] == state["grpc_port"]]
+    assert [e[:2] for e in grpc_listeners] == [("ray::ProxyActor", "::")], exposed
+    assert len(exposed) >= 10, exposed  # Ray's: the list is read, not empty by mistake
 
 
 def test_down_leaves_no_process_and_no_listener(

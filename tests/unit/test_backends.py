@@ -49,3 +49,27 @@ def test_nixl_engines_get_distinct_ports() -> None:
     nixl = make_backend(TransferSettings(backend="nixl"))
     ports = {nixl.process_env()["VLLM_NIXL_SIDE_CHANNEL_PORT"] for _ in range(5)}
     assert len(ports) > 1
+
+
+def test_engines_listen_where_the_settings_say() -> None:
+    """A node's address (what other hosts reach) by default; loopback when `listen_host` says
+    so (`pdserve up`), and then UCX's TCP transport too stays off the network devices."""
+    node = "10.1.2.3"  # never bound: the nixl port is given, so none is probed
+    for backend in ("nixl", "ray"):
+        extra = {"ray_address": "127.0.0.1:1"} if backend == "ray" else {"nixl_port": 5600}
+        on_node = make_backend(TransferSettings(backend=backend, node_ip=node, **extra))
+        assert on_node.process_env()["VLLM_HOST_IP"] == node
+        assert "UCX_NET_DEVICES" not in on_node.process_env()
+        local = make_backend(
+            TransferSettings(backend=backend, node_ip=node, listen_host="127.0.0.1", **extra)
+        )
+        assert local.process_env()["VLLM_HOST_IP"] == "127.0.0.1"
+    nixl_env = make_backend(
+        TransferSettings(backend="nixl", node_ip=node, listen_host="127.0.0.1", nixl_port=5600)
+    ).process_env()
+    assert nixl_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert nixl_env["UCX_NET_DEVICES"] == "lo"
+    on_node_env = make_backend(
+        TransferSettings(backend="nixl", node_ip=node, nixl_port=5600)
+    ).process_env()
+    assert on_node_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == node
