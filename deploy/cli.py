@@ -39,6 +39,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.backend:
         data["kv_transfer"]["backend"] = args.backend
     config = AppConfig.model_validate(data)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("pdserve up: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     print(f"pdserve up: starting {config.name} ({config.topology}, model {config.engine.model})...")
     run = up(
@@ -47,6 +50,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         timeout_s=args.timeout,
         auth=not args.no_auth,
+        tls=(args.tls_cert, args.tls_key) if args.tls_cert else None,
     )
     print(f"pdserve is up in {time.perf_counter() - started:.0f} s")
     if run.api_key:
@@ -187,6 +191,8 @@ def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
         action="store_true",
         help="no API key (refused unless every listener is on loopback)",
     )
+    up.add_argument("--tls-cert", help="PEM certificate: the HTTP proxy serves HTTPS only")
+    up.add_argument("--tls-key", help="PEM private key of --tls-cert")
     up.set_defaults(func=_cmd_up)
 
     down = commands.add_parser("down", help="stop everything `pdserve up` started")

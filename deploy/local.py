@@ -56,6 +56,9 @@ class LocalRun:
     ray_token_path: str
     # The run's API key ("" when the app runs without keys): `generate` and `bench` send it.
     api_key: str = ""
+    # The HTTP proxy's certificate and key (PEM files) when it serves HTTPS; "" for plain HTTP.
+    tls_cert: str = ""
+    tls_key: str = ""
 
     @property
     def grpc_target(self) -> str:
@@ -63,7 +66,8 @@ class LocalRun:
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/v1"
+        scheme = "https" if self.tls_cert else "http"
+        return f"{scheme}://127.0.0.1:{self.http_port}/v1"
 
     def save(self) -> Path:
         path = state_file()

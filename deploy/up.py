@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from control.keys import REDIS_URL_ENV
 from control.redis_server import start_redis_server
@@ -73,6 +74,22 @@ def check_no_auth_allowed(listeners: dict[str, str] = LISTENERS) -> None:
         )
 
 
+def check_tls_files(cert: str, key: str) -> tuple[str, str]:
+    """Both PEM files, as absolute paths (Serve's proxy opens them from another directory);
+    a missing or unreadable one is an error naming it, before anything starts."""
+    paths = []
+    for name, value in (("--tls-cert", cert), ("--tls-key", key)):
+        path = Path(value).expanduser().resolve()
+        try:
+            head = path.read_bytes()[:100]
+        except OSError as exc:
+            raise ValueError(f"{name} {value}: {exc.strerror or exc}") from exc
+        if b"-----BEGIN " not in head:
+            raise ValueError(f"{name} {value}: not a PEM file")
+        paths.append(str(path))
+    return paths[0], paths[1]
+
+
 def _is_loopback(host: str) -> bool:
     import ipaddress
 
@@ -88,11 +105,15 @@ def up(
     grpc_port: int = 9000,
     timeout_s: float = 900,
     auth: bool = True,
+    tls: tuple[str, str] | None = None,
 ) -> LocalRun:
     """Start the run. With `auth` and no keys file in `config`, the run gets a fresh API key
-    (hashed in its folder, the key itself in the 0600 run state for `generate` and `bench`)."""
+    (hashed in its folder, the key itself in the 0600 run state for `generate` and `bench`).
+    `tls` (certificate, key: PEM files) makes the HTTP proxy serve HTTPS only."""
     if not auth:
         check_no_auth_allowed()
+    if tls is not None:
+        tls = check_tls_files(*tls)
     existing = load_run()
     if existing is not None:
         if marked_pids(existing.run_id):
@@ -143,6 +164,8 @@ def up(
             temp_dir=str(base),
             ray_token_path=str(token_path),
             api_key=api_key,
+            tls_cert=tls[0] if tls else "",
+            tls_key=tls[1] if tls else "",
         )
         run.save()
         config = config.model_copy(
@@ -173,7 +196,15 @@ def _deploy(run: LocalRun, config: AppConfig, timeout_s: float) -> None:
     )
     try:
         serve.start(
-            http_options={"host": LOOPBACK, "port": run.http_port},
+            http_options={
+                "host": LOOPBACK,
+                "port": run.http_port,
+                **(
+                    {"ssl_certfile": run.tls_cert, "ssl_keyfile": run.tls_key}
+                    if run.tls_cert
+                    else {}
+                ),
+            },
             grpc_options=gRPCOptions(port=run.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
         )
         # Returns at once; wait_serving below bounds the wait and reports a failed deploy.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,27 +20,13 @@ from urllib.parse import urlsplit
 import pytest
 
 from deploy.local import free_port, marked_pids, pid_is_alive, ray_temp_dir
-from engine.models import cache_root
 from tests.procs import descendants, listening_ports, listening_sockets
+from tests.readme.cli import fresh_env, pdserve
 
 pytestmark = pytest.mark.engine
 
-PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."
-
-
-def _pdserve(
-    env: dict[str, str], *args: str, timeout: float = 300
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [PDSERVE, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-
-
-def _fresh_env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PDSERVE_"))}
-    return {**env, "HOME": str(home), "PDSERVE_CACHE_DIR": str(cache_root())}
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +34,9 @@ def local_run(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[dict[str, str], dict[str, object]]]:
     home = tmp_path_factory.mktemp("home")
-    env = _fresh_env(home)
+    env = fresh_env(home)
     http_port, grpc_port = free_port(), free_port()
-    up = _pdserve(
+    up = pdserve(
         env, "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port), timeout=900
     )
     state_path = home / ".cache" / "pdserve" / "run" / "local.json"
@@ -64,16 +49,16 @@ def local_run(
         assert printed == [f"API key: {state['api_key']}"], up.stdout
         yield env, state
     finally:
-        _pdserve(env, "down", timeout=180)
+        pdserve(env, "down", timeout=180)
 
 
 def test_generate_over_grpc_answers(local_run: tuple[dict[str, str], dict[str, object]]) -> None:
     env, _ = local_run
-    done = _pdserve(env, "generate", "--chat", QUESTION)
+    done = pdserve(env, "generate", "--chat", QUESTION)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == ANSWER
     assert "finish=stop" in done.stderr
-    streamed = _pdserve(env, "generate", "--stream", "--chat", QUESTION)
+    streamed = pdserve(env, "generate", "--stream", "--chat", QUESTION)
     assert streamed.returncode == 0, streamed.stderr[-2000:]
     assert streamed.stdout.strip() == ANSWER
 
@@ -92,7 +77,7 @@ def test_the_run_keeps_its_own_ray_token(
 
 def test_bad_input_is_reported(local_run: tuple[dict[str, str], dict[str, object]]) -> None:
     env, _ = local_run
-    bad = _pdserve(env, "generate", "hello", "--max-tokens", "0")
+    bad = pdserve(env, "generate", "hello", "--max-tokens", "0")
     assert bad.returncode == 2
     assert "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr
 
@@ -101,7 +86,7 @@ def test_status_shows_pools_and_latencies(
     local_run: tuple[dict[str, str], dict[str, object]],
 ) -> None:
     env, _ = local_run
-    status = _pdserve(env, "status")
+    status = pdserve(env, "status")
     assert status.returncode == 0, status.stderr[-2000:]
     for pool in ("Prefill", "Decode", "Router"):
         line = next(line for line in status.stdout.splitlines() if line.strip().startswith(pool))
@@ -124,7 +109,7 @@ def test_calls_without_the_runs_key_are_refused(
 
     env, state = local_run
     key = str(state["api_key"])
-    wrong = _pdserve(env, "generate", "hi", "--api-key", key[:-2] + "xx")
+    wrong = pdserve(env, "generate", "hi", "--api-key", key[:-2] + "xx")
     assert wrong.returncode == 2 and "UNAUTHENTICATED" in wrong.stderr, wrong.stderr[-2000:]
     with grpc.insecure_channel(f"127.0.0.1:{state['grpc_port']}") as channel:
         stub = pdserve_pb2_grpc.PDServeStub(channel)
@@ -321,10 +306,10 @@ def test_down_leaves_no_process_and_no_listener(
     assert len(tree) > 5, tree  # Ray's head, Redis, replicas and the vLLM engine processes
     assert {int(state["http_port"]), int(state["grpc_port"])} <= ports  # type: ignore[call-overload]
     assert marked_pids(run_id), "the run's processes should carry its marker"
-    down = _pdserve(env, "down", timeout=180)
+    down = pdserve(env, "down", timeout=180)
     assert down.returncode == 0, down.stdout + down.stderr
     assert [pid for pid in tree if pid_is_alive(pid)] == []
     assert listening_ports(None) & ports == set()
     assert marked_pids(run_id) == []
-    again = _pdserve(env, "down")
+    again = pdserve(env, "down")
     assert "nothing is running" in again.stdout
