@@ -52,9 +52,11 @@ def deployment_options(config: AppConfig, pool: PoolName) -> dict[str, Any]:
     spec = config.pools[pool]
     router_kwargs: dict[str, Any] = {"block_size": config.engine.block_size or 16}
     if pool != "decode":
-        # Not the control plane's URL: it carries a password and Serve's REST API returns
-        # these kwargs (the Router registers it in its process: router.replica_router).
-        router_kwargs |= {"prefix_ttl_s": config.router.prefix_ttl_s, "app_name": config.name}
+        router_kwargs |= {
+            "prefix_ttl_s": config.router.prefix_ttl_s,
+            "redis_url": config.control.redis_url,
+            "app_name": config.name,
+        }
     env = dict(_ENGINE_ENV)
     return {
         "name": DEPLOYMENT_NAMES[pool],

@@ -39,7 +39,6 @@ from router.openai_api import (
     unauthenticated_response,
 )
 from router.pools import ColocatedEngines, DisaggregatedEngines
-from router.replica_router import register_control_url
 from router.service import (
     EngineStream,
     Overloaded,
@@ -144,8 +143,6 @@ class Router:
         self._background: set[asyncio.Task[Any]] = set()
         url = settings.control_url
         self.store = ControlStore.from_url(url, settings.app) if url else None
-        if url:
-            register_control_url(settings.app, url)
 
     def _on_finish(self, outcome: str, timings: RequestTimings | None, num_tokens: int) -> None:
         self.metrics.observe(outcome, timings)

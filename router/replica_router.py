@@ -32,17 +32,6 @@ from router.prefix import BlockHash, MatchResult, PrefixIndex, block_hashes, mat
 
 logger = logging.getLogger(__name__)
 
-# The control plane's URL carries its password, and Serve's REST API returns every request
-# router's kwargs, so the URL is not one of them. The Router replica holds it in its settings
-# (init arguments, which the REST API does not return) and registers it here before its first
-# call; the request routers of its handles run in the same process and read it by app name.
-_CONTROL_URLS: dict[str, str] = {}
-
-
-def register_control_url(app_name: str, url: str) -> None:
-    """Make `url` the control plane of `app_name`'s request routers in this process."""
-    _CONTROL_URLS[app_name] = url
-
 
 def _request_of(pending: PendingRequest | None) -> GenerationRequest | None:
     if pending is None or not pending.args:
@@ -89,22 +78,14 @@ class PrefillRequestRouter(RequestRouter):
         self,
         block_size: int = 32,
         prefix_ttl_s: float = 300.0,
+        redis_url: str | None = None,
         app_name: str = "pdserve",
         **_: Any,
     ) -> None:
         self._block_size = block_size
         self._prefix_ttl_s = prefix_ttl_s
-        self._app_name = app_name
         self._local_index = PrefixIndex(ttl_seconds=prefix_ttl_s)
-        self._store_: ControlStore | None = None
-
-    @property
-    def _store(self) -> ControlStore | None:
-        """The shared prefix index, once the Router has registered the app's control plane
-        (created here, on this router's event loop, on first use)."""
-        if self._store_ is None and self._app_name in _CONTROL_URLS:
-            self._store_ = ControlStore.from_url(_CONTROL_URLS[self._app_name], self._app_name)
-        return self._store_
+        self._store = ControlStore.from_url(redis_url, app_name) if redis_url else None
 
     async def choose_replicas(
         self,

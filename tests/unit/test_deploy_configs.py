@@ -106,29 +106,6 @@ def test_bad_configs_are_refused_with_the_field(patch: dict[str, Any], message: 
     assert message in str(info.value)
 
 
-def test_the_redis_password_stays_out_of_the_request_routers_kwargs() -> None:
-    """Serve's REST API returns each deployment's request router kwargs; the control plane's
-    URL reaches the request routers through the Router replica instead (env: the policy)."""
-    config = load_app_config(DEPLOY / "configs" / "local.yaml")
-    config = config.model_copy(
-        update={
-            "control": config.control.model_copy(
-                update={"redis_url": "redis://:s3cret-pw@10.0.0.5:6380/0"}
-            )
-        }
-    )
-    for pool in ("prefill", "decode"):
-        options = deployment_options(config, pool)  # type: ignore[arg-type]
-        kwargs = options["request_router_config"].request_router_kwargs
-        assert "s3cret-pw" not in repr(kwargs), kwargs
-    assert (
-        deployment_options(config, "prefill")["request_router_config"].request_router_kwargs[
-            "app_name"
-        ]
-        == config.name
-    )
-
-
 def test_the_router_refuses_past_admission_and_serves_proxy_queue_is_bounded() -> None:
     """Serve's proxy queues calls past a replica's max_ongoing_requests (unbounded by default):
     a burst would wait there instead of meeting the router's own 429. The router takes
