@@ -146,15 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=64, help="of each held stream")
     args = parser.parse_args(argv)
-    from deploy.local import client_api_key, load_run
+    from bench.targets import grpc_endpoint
+    from deploy.local import load_run
 
-    run_state = load_run()
-    target = args.target or (run_state.grpc_target if run_state else None)
+    target, metadata = grpc_endpoint(args.target, args.api_key)
     if target is None:
         parser.error("no --target and no local run")
-    pid = None if args.target or run_state is None else _router_pid(run_state.run_id, run_state.app)
-    key = client_api_key(args.api_key)
-    metadata = (("authorization", f"Bearer {key}"),) if key else ()
+    run_state = None if args.target else load_run()
+    pid = None if run_state is None else _router_pid(run_state.run_id, run_state.app)
     report = asyncio.run(run(target, metadata, args.hold, args.burst, args.max_tokens, pid))
     print(json.dumps(report, indent=2))
     return 0

@@ -114,14 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    from deploy.local import client_api_key, load_run
+    from bench.targets import grpc_endpoint
 
-    run_state = load_run()
-    target = args.target or (run_state.grpc_target if run_state else None)
+    target, metadata = grpc_endpoint(args.target, args.api_key)
     if target is None:
         parser.error("no --target and no local run")
-    key = client_api_key(args.api_key)
-    metadata = (("authorization", f"Bearer {key}"),) if key else ()
     report = asyncio.run(
         run(target, metadata, args.victims, args.attackers, args.max_tokens, args.rounds)
     )

@@ -157,3 +157,17 @@ class EngineTarget:
 
     async def close(self) -> None:
         self._engine = None  # the engine is its starter's to shut down
+
+
+def grpc_endpoint(
+    target: str | None, api_key: str | None
+) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+    """Where a load tool sends its calls and the metadata each carries: `target`, else the
+    local run's gRPC address (None when there is neither); the key of `client_api_key`."""
+    from deploy.local import client_api_key, load_run
+
+    if target is None:
+        run_state = load_run()
+        target = run_state.grpc_target if run_state else None
+    key = client_api_key(api_key)
+    return target, ((("authorization", f"Bearer {key}"),) if key else ())
