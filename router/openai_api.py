@@ -7,6 +7,7 @@ raises its usual BadRequestError (400) / RateLimitError (429).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from router.auth import Unauthenticated
 from router.service import Overloaded, PreparedRequest, RouterService, StreamChunk
@@ -44,15 +46,28 @@ class BodyTooLarge(Exception):
     """The HTTP body is over the router's limit (413)."""
 
 
+# A body over the limit is still read, and thrown away, up to this many times the limit (and for
+# at most DRAIN_SECONDS) before the 413 goes out: a server that answers and closes while the client
+# is still sending makes the kernel reset the connection, and the client (urllib, httpx, the
+# `openai` package) then sees "connection reset", not the 413. Past the bound it gets the reset.
+DRAIN_FACTOR = 8
+DRAIN_SECONDS = 10.0
+
+
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise BodyTooLarge(f"body: is {declared} bytes; at most {max_bytes} are accepted")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():  # read no further than the limit
+    stream = request.stream()
+    if declared.isdigit() and int(declared) > max_bytes:
+        refusal = BodyTooLarge(f"body: is {declared} bytes; at most {max_bytes} are accepted")
+        if int(declared) <= DRAIN_FACTOR * max_bytes:
+            await _discard(stream, DRAIN_FACTOR * max_bytes)
+        raise refusal
+    async for chunk in stream:  # keep no more than the limit
         size += len(chunk)
         if size > max_bytes:
+            await _discard(stream, DRAIN_FACTOR * max_bytes - size)
             raise BodyTooLarge(f"body: is over {max_bytes} bytes; at most {max_bytes} are accepted")
         chunks.append(chunk)
     try:
@@ -64,6 +79,18 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
     return body
+
+
+async def _discard(stream: AsyncIterator[bytes], budget: int) -> None:
+    """Read the rest of a refused body without keeping it, up to `budget` bytes."""
+    try:
+        async with asyncio.timeout(DRAIN_SECONDS):
+            async for chunk in stream:
+                budget -= len(chunk)
+                if budget < 0:
+                    return
+    except (TimeoutError, ClientDisconnect):
+        return
 
 
 def _short(exc: BaseException) -> str:
