@@ -1,5 +1,6 @@
 """The OpenAI routes' body reader (router/openai_api.read_json) on JSON that used to give 500s:
-over-long bodies (413: kept to the limit, drained up to 8x it), deep nesting, huge integers, bad UTF-8."""
+over-long bodies (413: kept to the limit, drained up to 8x it), deep nesting, huge integers,
+bad UTF-8."""
 
 from __future__ import annotations
 
