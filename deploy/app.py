@@ -52,11 +52,14 @@ def deployment_options(config: AppConfig, pool: PoolName) -> dict[str, Any]:
     spec = config.pools[pool]
     router_kwargs: dict[str, Any] = {"block_size": config.engine.block_size or 16}
     if pool != "decode":
-        router_kwargs |= {
-            "prefix_ttl_s": config.router.prefix_ttl_s,
-            "redis_url": config.control.redis_url,
-            "app_name": config.name,
-        }
+        router_kwargs |= {"prefix_ttl_s": config.router.prefix_ttl_s, "app_name": config.name}
+        # Serve's REST API returns request router kwargs, and the URL carries the password: when
+        # it came from the environment, the request routers read the same variable (the Router
+        # replica's process inherits its node's environment) instead of a kwarg.
+        if _url_from_env(config):
+            router_kwargs["redis_url_env"] = REDIS_URL_ENV
+        else:
+            router_kwargs["redis_url"] = config.control.redis_url
     env = dict(_ENGINE_ENV)
     return {
         "name": DEPLOYMENT_NAMES[pool],
@@ -88,9 +91,7 @@ def _replica_count(config: AppConfig, pool: PoolName) -> dict[str, Any]:
         return {"num_replicas": spec.num_replicas}
     # The Redis URL carries a password and Serve logs policy kwargs: when it came from the
     # environment, the policy reads the same variable (the Ray head's env) instead.
-    from_env = config.control.redis_url is None or config.control.redis_url == os.environ.get(
-        REDIS_URL_ENV
-    )
+    from_env = _url_from_env(config)
     autoscaling = autoscaling_config_for(
         pool,
         config.name,
@@ -105,6 +106,20 @@ def _replica_count(config: AppConfig, pool: PoolName) -> dict[str, Any]:
     return {"autoscaling_config": autoscaling}
 
 
+def _url_from_env(config: AppConfig) -> bool:
+    """Whether the control plane's URL is the one in $PDSERVE_REDIS_URL (or none is set)."""
+    url = config.control.redis_url
+    return url is None or url == os.environ.get(REDIS_URL_ENV)
+
+
+def with_env_redis_url(config: AppConfig) -> AppConfig:
+    """`config` with the control plane's URL from $PDSERVE_REDIS_URL when it names none."""
+    if config.control.redis_url is not None or not os.environ.get(REDIS_URL_ENV):
+        return config
+    control = config.control.model_copy(update={"redis_url": os.environ[REDIS_URL_ENV]})
+    return config.model_copy(update={"control": control})
+
+
 def _pool(config: AppConfig, pool: PoolName) -> Application:
     deployment = serve.deployment(_SERVERS[pool]).options(**deployment_options(config, pool))
     return deployment.bind(replica_settings(config, pool))
@@ -112,14 +127,7 @@ def _pool(config: AppConfig, pool: PoolName) -> Application:
 
 def build_app(config: AppConfig) -> Application:
     """The app graph for `config`; nothing starts until `serve.run` / `serve deploy`."""
-    if config.control.redis_url is None and os.environ.get(REDIS_URL_ENV):
-        config = config.model_copy(
-            update={
-                "control": config.control.model_copy(
-                    update={"redis_url": os.environ[REDIS_URL_ENV]}
-                )
-            }
-        )
+    config = with_env_redis_url(config)
     router = serve.deployment(Router).options(
         name="Router",
         num_replicas=config.router.num_replicas,

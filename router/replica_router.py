@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -79,12 +80,23 @@ class PrefillRequestRouter(RequestRouter):
         block_size: int = 32,
         prefix_ttl_s: float = 300.0,
         redis_url: str | None = None,
+        redis_url_env: str | None = None,
         app_name: str = "pdserve",
         **_: Any,
     ) -> None:
+        """`redis_url_env` names the variable that holds the control plane's URL (it carries a
+        password, and Serve's REST API returns these kwargs); `redis_url` is the URL itself."""
         self._block_size = block_size
         self._prefix_ttl_s = prefix_ttl_s
         self._local_index = PrefixIndex(ttl_seconds=prefix_ttl_s)
+        if redis_url is None and redis_url_env:
+            redis_url = os.environ.get(redis_url_env)
+            if not redis_url:
+                logger.warning(
+                    "$%s is not set in this process: the prefix index is this router's own "
+                    "(set it in the environment of `ray start` on every node)",
+                    redis_url_env,
+                )
         self._store = ControlStore.from_url(redis_url, app_name) if redis_url else None
 
     async def choose_replicas(

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
-from deploy.local import free_port, marked_pids, pid_is_alive
+from deploy.local import free_port, marked_pids, pid_is_alive, ray_temp_dir
 from tests.procs import descendants, listening_ports, listening_sockets
 from tests.readme.cli import fresh_env, pdserve
 
@@ -224,6 +227,84 @@ def test_pdserves_own_listeners_are_on_loopback(
     grpc_listeners = [e for e in exposed if e[2] == state["grpc_port"]]
     assert [e[:2] for e in grpc_listeners] == [("ray::ProxyActor", "::")], exposed
     assert len(exposed) >= 10, exposed  # Ray's: the list is read, not empty by mistake
+
+
+_SERVE_DETAILS = """
+import json, sys
+import ray
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+print(json.dumps(ray.get(controller.get_serve_instance_details.remote(), timeout=60)))
+"""
+
+
+def test_the_redis_password_is_in_no_rest_response_argv_or_open_file(
+    local_run: tuple[dict[str, str], dict[str, object]],
+) -> None:
+    """The three places a password leaks to others: what Serve's REST API returns (the
+    controller's instance details, which `GET /api/serve/applications/` serves as JSON), any
+    process's argv (/proc/*/cmdline is world-readable), and files others may read (the run's
+    folder, Ray's session folder with every log, pdserve's run state). And the request routers
+    still reach Redis (they read the URL from the environment, not from a kwarg): a long prompt's
+    blocks are recorded in the shared prefix index."""
+    import redis
+
+    env, state = local_run
+    password = urlsplit(str(state["redis_url"])).password
+    assert password and len(password) >= 32, "the private Redis has a random password"
+    client = redis.Redis.from_url(str(state["redis_url"]))
+    pattern = f"pdserve:{state['app']}:prefix:*"
+    try:
+        before = len(client.keys(pattern))
+        done = pdserve(env, "generate", " ".join(["river"] * 200), "--max-tokens", "2")
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert len(client.keys(pattern)) >= before + 6  # 200+ tokens: 6+ full blocks of 32
+    finally:
+        client.close()
+
+    ray_env = {
+        **env,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(state["ray_token_path"]),
+    }
+    details = subprocess.run(
+        [sys.executable, "-c", _SERVE_DETAILS, str(state["ray_address"])],
+        env=ray_env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert details.returncode == 0, details.stderr[-3000:]
+    rest = json.loads(details.stdout.strip().splitlines()[-1])
+    deployments = rest["applications"][state["app"]]["deployments"]
+    assert {"Router", "Prefill", "Decode"} <= set(deployments)  # the real app's details
+    assert password not in details.stdout
+
+    everything = descendants([int(state["ray_pid"]), int(state["redis_pid"])])  # type: ignore[call-overload]
+    everything |= set(marked_pids(str(state["run_id"])))
+    assert len(everything) > 5, everything
+    for pid in everything:
+        with contextlib.suppress(OSError):  # a worker that exited meanwhile
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert password.encode() not in argv, (pid, argv[:200])
+
+    folders = [
+        Path(str(state["temp_dir"])),
+        ray_temp_dir(str(state["run_id"])),
+        Path(env["HOME"]) / ".cache" / "pdserve" / "run",
+    ]
+    readable = 0
+    for folder in folders:
+        assert folder.is_dir(), folder
+        for path in folder.rglob("*"):
+            if not path.is_file() or path.is_symlink():
+                continue
+            if path.stat().st_mode & 0o004:  # others may read it (given the folders' modes)
+                readable += 1
+                assert password.encode() not in path.read_bytes(), path
+    assert readable > 10, "Ray's session logs are world-readable and were searched"
 
 
 def test_down_leaves_no_process_and_no_listener(

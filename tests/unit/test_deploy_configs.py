@@ -9,7 +9,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from deploy.app import DEPLOYMENT_NAMES, build_app, deployment_options
+from control.keys import REDIS_URL_ENV
+from deploy.app import DEPLOYMENT_NAMES, build_app, deployment_options, with_env_redis_url
 from deploy.config import AppConfig, load_app_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -115,3 +116,24 @@ def test_the_router_refuses_past_admission_and_serves_proxy_queue_is_bounded() -
     assert router.name == "Router"
     assert router.max_ongoing_requests == config.router.max_in_flight + config.router.refusal_room
     assert router.max_queued_requests == config.router.max_queued_requests > 0
+
+
+def test_a_redis_url_from_the_environment_is_no_request_router_kwarg(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Serve's REST API returns each deployment's request router kwargs: a URL that came from
+    $PDSERVE_REDIS_URL (what `pdserve up` and the cluster recipes do) is passed by the variable's
+    name; one written into the config is passed as it is (operations.md says to prefer the env)."""
+    url = "redis://:s3cret-pw@10.0.0.5:6380/0"
+    monkeypatch.setenv(REDIS_URL_ENV, url)
+    config = with_env_redis_url(load_app_config(DEPLOY / "configs" / "local.yaml"))
+    assert config.control.redis_url == url
+    for pool in ("prefill", "decode"):
+        options = deployment_options(config, pool)  # type: ignore[arg-type]
+        assert "s3cret-pw" not in repr(options), pool  # request router and policy kwargs
+    prefill = deployment_options(config, "prefill")["request_router_config"]
+    assert prefill.request_router_kwargs["redis_url_env"] == REDIS_URL_ENV
+    assert prefill.request_router_kwargs["app_name"] == config.name
+    monkeypatch.delenv(REDIS_URL_ENV)
+    prefill = deployment_options(config, "prefill")["request_router_config"]
+    assert prefill.request_router_kwargs["redis_url"] == url
