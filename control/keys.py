@@ -7,6 +7,8 @@
     pdserve:{app}:bounds:{pool}         string ReplicaBounds JSON
     pdserve:{app}:pin:{pool}            string pinned replica count
     pdserve:{app}:decisions             list   DecisionRecord JSON, newest first, capped
+    pdserve:{app}:apikey:{name}:in_flight        zset   request id -> lease expiry (ms, Redis clock)
+    pdserve:{app}:apikey:{name}:rpm:{minute}     string requests started in that minute, expires
 
 Pure: no redis import. Names are validated here, once, so a typo in a pool or metric is a
 ValueError instead of a key nobody reads.
@@ -26,6 +28,16 @@ _APP_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 # Where processes find the control plane's URL (it carries the password, so not in configs).
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
+
+
+# API key names (router/auth.py allows the same characters).
+_KEY_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+
+
+def _key_name(name: str) -> str:
+    if not isinstance(name, str) or not _KEY_NAME.fullmatch(name):
+        raise ValueError(f"API key name must be 1-64 of A-Z a-z 0-9 _ . @ -, got {name!r}")
+    return name
 
 
 def validate_pool(pool: str) -> str:
@@ -82,6 +94,14 @@ class ControlKeys:
     @property
     def decisions(self) -> str:
         return f"{self.namespace}decisions"
+
+    def key_in_flight(self, key_name: str) -> str:
+        """An API key's requests in flight, across router replicas (router/key_limits.py)."""
+        return f"{self.namespace}apikey:{_key_name(key_name)}:in_flight"
+
+    def key_rate(self, key_name: str) -> str:
+        """The stem of an API key's per-minute counters (the minute is appended)."""
+        return f"{self.namespace}apikey:{_key_name(key_name)}:rpm"
 
     def last_decision(self, pool: str) -> str:
         """The pool's latest decision, rewritten every tick (the log keeps only changes)."""

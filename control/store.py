@@ -8,6 +8,9 @@ Who calls what, and how often:
     routers      record_prefix           per prefill, after it is routed
                  prefix_owners           per request (one MGET)
                  record_sample           per finished request and metric
+                 acquire_key_slot        per request of an API key with limits (one script)
+                 refresh_key_slots       every lease/3 while such requests stream
+                 release_key_slot        per such request, when it ends
     status       replica_loads, recent_samples                         per `pdserve status`
 
 Every value is a short JSON or text string; no KV-cache data ever goes through Redis.
@@ -27,6 +30,44 @@ from control.records import decode_replica_load, encode_replica_load
 from engine.messages import ReplicaLoad
 
 DEFAULT_SAMPLE_CAP = 2048
+
+
+# An API key's limits, atomically, on Redis's own clock (routers' clocks may disagree).
+# KEYS[1]: the key's in-flight set; KEYS[2]: the stem of its per-minute counters.
+# ARGV: lease ms, max in flight (0: none), max per minute (0: none), request id.
+# Returns 0 (taken), 1 (as many in flight as allowed), 2 (as many this minute as allowed).
+_ACQUIRE_KEY_SLOT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease, max_in_flight, max_rpm = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if max_in_flight > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+  if redis.call('ZCARD', KEYS[1]) >= max_in_flight then return 1 end
+end
+if max_rpm > 0 then
+  local window = KEYS[2] .. ':' .. math.floor(tonumber(t[1]) / 60)
+  if tonumber(redis.call('GET', window) or '0') >= max_rpm then return 2 end
+  redis.call('INCR', window)
+  redis.call('EXPIRE', window, 120)
+end
+if max_in_flight > 0 then
+  redis.call('ZADD', KEYS[1], string.format('%d', now + lease), ARGV[4])
+  redis.call('PEXPIRE', KEYS[1], 2 * lease)
+end
+return 0
+"""
+# KEYS: in-flight sets; ARGV[1]: lease ms, ARGV[i + 1]: the request id held in KEYS[i].
+_REFRESH_KEY_SLOTS = """
+local t = redis.call('TIME')
+local until_ms = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  + tonumber(ARGV[1]))
+for i, key in ipairs(KEYS) do
+  redis.call('ZADD', key, 'XX', until_ms, ARGV[i + 1])
+  redis.call('PEXPIRE', key, 2 * tonumber(ARGV[1]))
+end
+return #KEYS
+"""
+KEY_SLOT_TAKEN, KEY_SLOT_IN_FLIGHT, KEY_SLOT_RATE = 0, 1, 2
 
 
 class ControlStore:
@@ -102,6 +143,50 @@ class ControlStore:
         values = await self._client.mget([self.keys.prefix(h) for h in hashes])
         return [None if value is None else _text(value) for value in values]
 
+    # API key limits: requests in flight (leased) and started per minute, all routers together.
+
+    async def acquire_key_slot(
+        self,
+        key_name: str,
+        request_id: str,
+        max_in_flight: int | None,
+        max_per_minute: int | None,
+        lease_s: float,
+    ) -> int:
+        """KEY_SLOT_TAKEN, or why not (KEY_SLOT_IN_FLIGHT / KEY_SLOT_RATE). A slot taken is
+        held for `lease_s` unless refreshed; `release_key_slot` gives it back."""
+        if not request_id:
+            raise ValueError("request_id must be non-empty")
+        for name, limit in (("max_in_flight", max_in_flight), ("max_per_minute", max_per_minute)):
+            if limit is not None:
+                _check_count(name, limit)
+        keys = [self.keys.key_in_flight(key_name), self.keys.key_rate(key_name)]
+        args: list[int | str] = [
+            _lease_ms(lease_s),
+            max_in_flight or 0,
+            max_per_minute or 0,
+            request_id,
+        ]
+        return int(await self._client.eval(_ACQUIRE_KEY_SLOT, 2, *keys, *args))
+
+    async def refresh_key_slots(self, held: Sequence[tuple[str, str]], lease_s: float) -> None:
+        """Extend the leases of (key name, request id) slots this router still holds."""
+        if not held:
+            return
+        keys = [self.keys.key_in_flight(name) for name, _ in held]
+        ids = [request_id for _, request_id in held]
+        await self._client.eval(_REFRESH_KEY_SLOTS, len(keys), *keys, _lease_ms(lease_s), *ids)
+
+    async def release_key_slot(self, key_name: str, request_id: str) -> None:
+        await self._client.zrem(self.keys.key_in_flight(key_name), request_id)
+
+    async def key_slots_in_flight(self, key_name: str) -> int:
+        """Slots held now (expired leases not counted)."""
+        now_s, now_us = await self._client.time()
+        now_ms = now_s * 1000 + now_us // 1000
+        key = self.keys.key_in_flight(key_name)
+        return int(await self._client.zcount(key, f"({now_ms}", "+inf"))
+
     # Latency samples: one capped list per metric, newest first.
 
     async def record_sample(
@@ -148,6 +233,12 @@ class LoadPublisher:
 def _text(value: bytes | str) -> str:
     """Redis values arrive as bytes, or as str on a client made with decode_responses=True."""
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _lease_ms(lease_s: float) -> int:
+    if not math.isfinite(lease_s) or lease_s <= 0:
+        raise ValueError(f"lease_s must be a finite number > 0, got {lease_s}")
+    return max(1, round(lease_s * 1000))
 
 
 def _check_count(name: str, value: int) -> None:

@@ -30,6 +30,7 @@ from engine.models import resolve_model
 from engine.prompts import load_tokenizer
 from router.admission import AdmissionLimits
 from router.auth import ApiKeys, Unauthenticated, bearer_token
+from router.key_limits import LocalKeyLimiter, SharedKeyLimiter
 from router.metrics import RouterMetrics
 from router.openai_api import (
     error_response,
@@ -40,6 +41,7 @@ from router.openai_api import (
 )
 from router.pools import ColocatedEngines, DisaggregatedEngines
 from router.service import (
+    Caller,
     EngineStream,
     Overloaded,
     PreparedRequest,
@@ -122,6 +124,8 @@ class Router:
             engines = ColocatedEngines(handles[0])
         else:
             engines = DisaggregatedEngines(handles[0], handles[1], settings.release_is_idempotent)
+        url = settings.control_url
+        self.store = ControlStore.from_url(url, settings.app) if url else None
         self.service = RouterService(
             tokenizer,
             RequestLimits(
@@ -138,11 +142,10 @@ class Router:
             engines,
             on_finish=self._on_finish,
             replica_id=_router_replica_id(),
+            key_limiter=SharedKeyLimiter(self.store) if self.store else LocalKeyLimiter(),
         )
         self.metrics = RouterMetrics(settings.app)
         self._background: set[asyncio.Task[Any]] = set()
-        url = settings.control_url
-        self.store = ControlStore.from_url(url, settings.app) if url else None
 
     def _on_finish(self, outcome: str, timings: RequestTimings | None, num_tokens: int) -> None:
         self.metrics.observe(outcome, timings)
@@ -159,15 +162,18 @@ class Router:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _authenticate(self, authorization: str | None) -> None:
-        """Raises Unauthenticated (counted) unless keys are off or `authorization` holds one."""
-        if self.settings.api_keys is None:
-            return
+    def _authenticate(self, authorization: str | None) -> Caller | None:
+        """The caller `authorization` names (None when the app takes no keys); raises
+        Unauthenticated (counted) when it holds no valid key."""
+        keys = self.settings.api_keys
+        if keys is None:
+            return None
         try:
-            self.settings.api_keys.authenticate(bearer_token(authorization))
+            name = keys.authenticate(bearer_token(authorization))
         except Unauthenticated:
             self.service.record_refusal("unauthenticated")
             raise
+        return Caller(name, keys.limits_of(name))
 
     def _http_refusal(self, request: Request) -> JSONResponse | None:
         """OpenAI's 401 when the request holds no valid key; None when it may go on."""
@@ -179,17 +185,22 @@ class Router:
 
     # --- OpenAI HTTP -----------------------------------------------------------------------
 
+    async def _http_generate(self, request: Request, chat: bool) -> Any:
+        try:
+            caller = self._authenticate(request.headers.get("authorization"))
+        except Unauthenticated as exc:
+            return unauthenticated_response(exc)
+        return await openai_generate(
+            self.service, request, chat, self.settings.max_body_bytes, caller
+        )
+
     @http_app.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
-        return self._http_refusal(request) or await openai_generate(
-            self.service, request, chat=False, max_body_bytes=self.settings.max_body_bytes
-        )
+        return await self._http_generate(request, chat=False)
 
     @http_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Any:
-        return self._http_refusal(request) or await openai_generate(
-            self.service, request, chat=True, max_body_bytes=self.settings.max_body_bytes
-        )
+        return await self._http_generate(request, chat=True)
 
     @http_app.get("/v1/models")
     async def models(self, request: Request) -> Any:
@@ -203,21 +214,21 @@ class Router:
 
     # --- gRPC: pdserve.v1.PDServe ------------------------------------------------------------
 
-    def _authenticate_grpc(self, grpc_context: Any) -> None:
+    def _authenticate_grpc(self, grpc_context: Any) -> Caller | None:
         metadata = dict(grpc_context.invocation_metadata() or ())
         try:
-            self._authenticate(metadata.get("authorization"))
+            return self._authenticate(metadata.get("authorization"))
         except Unauthenticated as exc:
             grpc_context.set_code(grpc.StatusCode.UNAUTHENTICATED)
             grpc_context.set_details(f"{exc}: send it as 'authorization: Bearer <key>' metadata")
             raise
 
     def _prepare_grpc(self, message: Any, grpc_context: Any) -> PreparedRequest:
-        self._authenticate_grpc(grpc_context)
+        caller = self._authenticate_grpc(grpc_context)
         try:
             if isinstance(message, MalformedRequest):
                 raise InvalidRequest("body", f"is not a valid {SERVICE} request: {message.error}")
-            return self.service.prepare(request_to_body(message), message.request_id)
+            return self.service.prepare(request_to_body(message), message.request_id, caller)
         except InvalidRequest as exc:
             self.service.record_refusal("invalid")
             grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from router.auth import Unauthenticated
-from router.service import Overloaded, PreparedRequest, RouterService, StreamChunk
+from router.service import Caller, Overloaded, PreparedRequest, RouterService, StreamChunk
 from router.validation import InvalidRequest
 
 http_app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
@@ -169,7 +169,11 @@ async def whole_response(
 
 
 async def openai_generate(
-    service: RouterService, request: Request, chat: bool, max_body_bytes: int
+    service: RouterService,
+    request: Request,
+    chat: bool,
+    max_body_bytes: int,
+    caller: Caller | None = None,
 ) -> Any:
     """One OpenAI completion or chat completion; the stream starts only once the request has
     been admitted and its first token is out, so errors still get a proper status code."""
@@ -180,7 +184,7 @@ async def openai_generate(
             raise InvalidRequest(other, f"not accepted here; this endpoint takes {field}")
         if field not in body:
             raise InvalidRequest(field, "is required")
-        prepared = service.prepare(body)
+        prepared = service.prepare(body, caller=caller)
         chunks = service.stream(prepared)
         if not prepared.validated.stream:
             return JSONResponse(await whole_response(prepared, chunks))

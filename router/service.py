@@ -9,8 +9,9 @@ The gRPC servicer and the OpenAI HTTP routes are thin adapters over `prepare` an
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,7 +24,9 @@ from router.admission import (
     finish_prefill,
     release,
 )
+from router.auth import KeyLimits
 from router.detokenizer import Detokenizer
+from router.key_limits import KeyLimited, KeyLimiter, LocalKeyLimiter
 from router.timings import RequestTimings, TimingClock
 from router.validation import (
     InvalidRequest,
@@ -62,9 +65,18 @@ class StreamChunk:
 
 
 @dataclass(frozen=True)
+class Caller:
+    """Who sent a request: its API key's name and limits (router/auth.py)."""
+
+    name: str
+    limits: KeyLimits
+
+
+@dataclass(frozen=True)
 class PreparedRequest:
     validated: ValidatedRequest
     request: GenerationRequest
+    caller: Caller | None = None  # None: the app takes no keys
 
 
 # "ok", "cancelled", "error"; refused before admission (no timings): "invalid" (400),
@@ -83,6 +95,7 @@ class RouterService:
         engines: EngineStream,
         on_finish: FinishHook | None = None,
         replica_id: str = "",
+        key_limiter: KeyLimiter | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
@@ -92,6 +105,7 @@ class RouterService:
         self._state = AdmissionState()
         self._on_finish = on_finish
         self.replica_id = replica_id  # this router replica, named in every request's timings
+        self.key_limiter: KeyLimiter = key_limiter or LocalKeyLimiter()
 
     @property
     def num_in_flight(self) -> int:
@@ -102,12 +116,15 @@ class RouterService:
         if self._on_finish is not None:
             self._on_finish(outcome, None, 0)
 
-    def prepare(self, body: dict[str, Any], request_id: str = "") -> PreparedRequest:
+    def prepare(
+        self, body: dict[str, Any], request_id: str = "", caller: Caller | None = None
+    ) -> PreparedRequest:
         validated = validate_request(body, self.limits)
         prompt_ids = self._tokenize(validated)
         params = fit_to_context(validated, len(prompt_ids), self.max_model_len)
         request_id = request_id or f"req-{uuid.uuid4().hex}"
-        return PreparedRequest(validated, GenerationRequest(request_id, tuple(prompt_ids), params))
+        request = GenerationRequest(request_id, tuple(prompt_ids), params)
+        return PreparedRequest(validated, request, caller)
 
     def _tokenize(self, validated: ValidatedRequest) -> list[int]:
         if validated.messages is None:
@@ -123,6 +140,28 @@ class RouterService:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     async def stream(self, prepared: PreparedRequest) -> AsyncIterator[StreamChunk]:
+        """The request's chunks, once its API key's limits (if any) and admission let it in;
+        both raise Overloaded. Closing this stream cancels the request."""
+        caller = prepared.caller
+        limited = caller is not None and caller.limits.any
+        if limited:
+            assert caller is not None
+            try:
+                await self.key_limiter.acquire(
+                    caller.name, caller.limits, prepared.request.request_id
+                )
+            except KeyLimited as exc:
+                raise Overloaded(str(exc)) from None
+        try:
+            async with contextlib.aclosing(self._admitted(prepared)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            if limited:
+                assert caller is not None
+                await self.key_limiter.release(caller.name, prepared.request.request_id)
+
+    async def _admitted(self, prepared: PreparedRequest) -> AsyncGenerator[StreamChunk]:
         request = prepared.request
         clock = TimingClock(self.replica_id)
         decision = admit(self._state, self.admission, request.num_prompt_tokens)

@@ -58,6 +58,8 @@ class ServedApp:
     http_port: int
     # The app's API key (router.api_keys_file holds its hash); None: the app takes no keys.
     api_key: str | None = None
+    # More keys of the same file, by name, each with limits (LIMITED_KEYS).
+    limited_keys: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:
@@ -193,6 +195,10 @@ def _app_configs(redis_url: str, api_keys_file: str) -> dict[str, AppConfig]:
     }
 
 
+# The keys file's keys with limits (router/auth.py), beside the app's own unlimited key.
+LIMITED_KEYS = {"one-at-a-time": "concurrency=1", "three-a-minute": "rpm=3"}
+
+
 @dataclass(frozen=True)
 class ServeProxy:
     grpc_target: str
@@ -233,8 +239,11 @@ def serve_apps(
     from router.auth import key_line, new_key
 
     api_key = new_key()
+    limited = tuple((name, new_key()) for name in LIMITED_KEYS)
     keys_file = tmp_path_factory.mktemp("keys") / "api-keys"
-    keys_file.write_text(key_line("e2e", api_key) + "\n")
+    lines = [key_line("e2e", api_key)]
+    lines += [f"{key_line(name, key)} {LIMITED_KEYS[name]}" for name, key in limited]
+    keys_file.write_text("\n".join(lines) + "\n")
     apps = {
         key: ServedApp(
             key,
@@ -242,6 +251,7 @@ def serve_apps(
             serve_proxy.grpc_target,
             serve_proxy.http_port,
             api_key if config.router.api_keys_file else None,
+            limited if config.router.api_keys_file else (),
         )
         for key, config in _app_configs(redis_server.url, str(keys_file)).items()
     }

@@ -76,3 +76,63 @@ def test_an_app_without_keys_takes_calls_without_one(serve_apps: dict[str, Serve
             timeout=120,
         )
     assert done.usage.completion_tokens == 2
+
+
+def test_a_keys_limits_refuse_past_them_on_both_surfaces_and_others_are_served(
+    serve_apps: dict[str, ServedApp],
+) -> None:
+    """`concurrency=1`: while one stream of the key runs, its next call is RESOURCE_EXHAUSTED /
+    429 naming the key, the app's other key is served, and the key works again once its stream
+    ends. `rpm=3`: the fourth call in a minute is refused."""
+    import dataclasses
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    app = serve_apps["nixl"]
+    keys = dict(app.limited_keys)
+
+    def post(key: str) -> tuple[int, dict[str, object]]:
+        body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+        request = urllib.request.Request(
+            f"{app.openai_base}/completions",
+            data=body,
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    single = dataclasses.replace(app, api_key=keys["one-at-a-time"])
+    with single.client() as client:
+        held = client.generate("hold the slot", max_tokens=400, ignore_eos=True)
+        next(held)
+        with pytest.raises(grpc.RpcError) as refused:
+            client.complete("second", max_tokens=2)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "API key 'one-at-a-time' is at its limit" in refused.value.details()
+        status, payload = post(keys["one-at-a-time"])
+        assert status == 429 and "one-at-a-time" in payload["error"]["message"], payload  # type: ignore[index]
+        with app.client() as unlimited:
+            assert unlimited.complete("meanwhile", max_tokens=2).usage.completion_tokens == 2
+        held.close()  # cancels the stream: its slot is given back
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert client.complete("again", max_tokens=2).usage.completion_tokens == 2
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert time.monotonic() < deadline, "the cancelled stream kept its slot"
+                time.sleep(0.5)
+
+    if time.time() % 60 > 45:  # the four calls must fall in one minute (Redis's clock)
+        time.sleep(61 - time.time() % 60)
+    rated = keys["three-a-minute"]
+    assert [post(rated)[0] for _ in range(3)] == [200, 200, 200]
+    status, payload = post(rated)
+    assert status == 429, payload
+    assert "at most 3 requests per minute" in payload["error"]["message"]  # type: ignore[index]

@@ -280,3 +280,68 @@ async def test_store_works_on_a_decoding_client(redis_server: RedisServer) -> No
         assert len(await store.replica_loads("prefill")) == 1
     finally:
         await store.close()
+
+
+async def test_api_key_limits_hold_across_two_routers(
+    control_store: ControlStore, redis_server: RedisServer
+) -> None:
+    """Two routers (own stores, own limiters) share one key's slots: concurrency=2 admits two
+    in all, a slot given back is free for either, and rpm=3 counts both routers' requests."""
+    from router.auth import KeyLimits
+    from router.key_limits import KeyLimited, SharedKeyLimiter
+
+    other = await ControlStore.connect(redis_server.url, control_store.app)
+    try:
+        first, second = SharedKeyLimiter(control_store), SharedKeyLimiter(other)
+        two = KeyLimits(max_concurrent=2)
+        await first.acquire("team", two, "r1")
+        await second.acquire("team", two, "r2")
+        with pytest.raises(KeyLimited, match="at most 2 requests in flight"):
+            await first.acquire("team", two, "r3")
+        with pytest.raises(KeyLimited):
+            await second.acquire("team", two, "r3")
+        assert await control_store.key_slots_in_flight("team") == 2
+        await second.release("team", "r2")
+        await first.acquire("team", two, "r3")
+        await first.release("team", "r1")
+        await first.release("team", "r3")
+        assert await other.key_slots_in_flight("team") == 0
+
+        three = KeyLimits(max_per_minute=3)
+        if time.time() % 60 > 55:  # the three calls below must fall in one minute of Redis's
+            await asyncio.sleep(6)
+        await first.acquire("batch", three, "b1")
+        await second.acquire("batch", three, "b2")
+        await first.acquire("batch", three, "b3")
+        with pytest.raises(KeyLimited, match="at most 3 requests per minute"):
+            await second.acquire("batch", three, "b4")
+        await first.close()
+        await second.close()
+    finally:
+        await other.close()
+
+
+async def test_a_dead_routers_key_slots_expire_and_a_live_ones_are_refreshed(
+    control_store: ControlStore,
+) -> None:
+    """A slot is a lease: a router that stops refreshing (it died) frees it within the lease,
+    while one that lives refreshes the slots of the requests it still streams."""
+    from router.auth import KeyLimits
+    from router.key_limits import KeyLimited, SharedKeyLimiter
+
+    one = KeyLimits(max_concurrent=1)
+    live = SharedKeyLimiter(control_store, lease_s=0.6)  # refreshes every 0.2 s
+    await live.acquire("live", one, "l1")
+    dead = SharedKeyLimiter(control_store, lease_s=0.6)
+    await dead.acquire("dead", one, "d1")
+    await dead.close()  # stops refreshing, as a router that died
+    await asyncio.sleep(1.5)  # 2.5 leases
+    assert await control_store.key_slots_in_flight("dead") == 0
+    await live.acquire("dead", one, "d2")  # the dead router's slot is free again
+    assert await control_store.key_slots_in_flight("live") == 1  # refreshed: still held
+    with pytest.raises(KeyLimited):
+        await live.acquire("live", one, "l2")
+    await live.release("live", "l1")
+    await live.release("dead", "d2")
+    assert await control_store.key_slots_in_flight("live") == 0
+    await live.close()
