@@ -48,6 +48,17 @@ _ROUTERS: dict[PoolName, str] = {
 _ENGINE_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
 
 
+# The Router replicas hold the pools' handles. After our request router ranks the replicas,
+# Serve probes the first one's queue length and, past a 0.1 s deadline, routes to the next rank:
+# on a loaded machine that overrode prefix affinity and the decode choice (seen in a clean run:
+# 16 calls sharing a prefix split over both prefill replicas). A slower probe is still an
+# answer; a dead replica costs each call 1 s before the next rank is tried.
+ROUTER_ENV = {
+    "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0",
+    "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "2.0",
+}
+
+
 def deployment_options(config: AppConfig, pool: PoolName) -> dict[str, Any]:
     spec = config.pools[pool]
     router_kwargs: dict[str, Any] = {"block_size": config.engine.block_size or 16}
@@ -138,6 +149,7 @@ def build_app(config: AppConfig) -> Application:
         ray_actor_options={
             "num_cpus": 0,
             **({"resources": dict(config.router.resources)} if config.router.resources else {}),
+            "runtime_env": {"env_vars": dict(ROUTER_ENV)},
         },
     )
     if config.topology == "colocated":

@@ -116,6 +116,9 @@ def test_the_router_refuses_past_admission_and_serves_proxy_queue_is_bounded() -
     assert router.name == "Router"
     assert router.max_ongoing_requests == config.router.max_in_flight + config.router.refusal_room
     assert router.max_queued_requests == config.router.max_queued_requests > 0
+    # Serve's queue-length probe waits long enough not to override our routing choice.
+    env = router.ray_actor_options["runtime_env"]["env_vars"]
+    assert float(env["RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S"]) >= 1.0
 
 
 def test_a_redis_url_from_the_environment_is_no_request_router_kwarg(
