@@ -185,12 +185,28 @@ def test_a_burst_of_200_past_admission_is_refused_and_the_admitted_finish(
     from bench.overload import run
 
     app = serve_apps["colocated"]
+    wait_router_idle(app)  # the last test's cancelled streams may still hold a slot
     report = asyncio.run(run(app.grpc_target, app.metadata, hold=2, burst=200, max_tokens=1000))
     shown = json.dumps(report)
     assert report["held_open_after_burst"] == 2, shown
     assert report["burst_codes"] == {"RESOURCE_EXHAUSTED": 200}, shown
     assert report["held_codes"] == {"OK": 2} and report["held_full"] == 2, shown
     assert_still_serving_eventually(app)
+
+
+def wait_router_idle(app: ServedApp, timeout_s: float = 60) -> None:
+    """Until the app's (one) router holds no request: its /health counts them."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    url = f"http://127.0.0.1:{app.http_port}/{app.name}/health"
+    while True:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            in_flight = json.loads(response.read())["in_flight"]
+        if in_flight == 0:
+            return
+        assert time.monotonic() < deadline, f"{in_flight} requests still in flight"
+        time.sleep(0.5)
 
 
 def assert_still_serving_eventually(app: ServedApp, attempts: int = 20) -> None:
