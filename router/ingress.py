@@ -223,12 +223,13 @@ class Router:
             grpc_context.set_details(f"{exc}: send it as 'authorization: Bearer <key>' metadata")
             raise
 
-    def _prepare_grpc(self, message: Any, grpc_context: Any) -> PreparedRequest:
+    async def _prepare_grpc(self, message: Any, grpc_context: Any) -> PreparedRequest:
         caller = self._authenticate_grpc(grpc_context)
         try:
             if isinstance(message, MalformedRequest):
                 raise InvalidRequest("body", f"is not a valid {SERVICE} request: {message.error}")
-            return self.service.prepare(request_to_body(message), message.request_id, caller)
+            body = request_to_body(message)
+            return await self.service.prepare_async(body, message.request_id, caller)
         except InvalidRequest as exc:
             self.service.record_refusal("invalid")
             grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
@@ -248,7 +249,7 @@ class Router:
             raise
 
     async def Generate(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
-        prepared = self._prepare_grpc(request, grpc_context)
+        prepared = await self._prepare_grpc(request, grpc_context)
         async for chunk in self._chunks(prepared, grpc_context):
             yield pdserve_pb2.GenerateResponse(
                 request_id=chunk.request_id,
@@ -262,7 +263,7 @@ class Router:
             )
 
     async def Complete(self, request: Any, grpc_context: Any) -> Any:
-        prepared = self._prepare_grpc(request, grpc_context)
+        prepared = await self._prepare_grpc(request, grpc_context)
         texts: list[str] = []
         ids: list[int] = []
         last: StreamChunk | None = None

@@ -184,7 +184,7 @@ async def openai_generate(
             raise InvalidRequest(other, f"not accepted here; this endpoint takes {field}")
         if field not in body:
             raise InvalidRequest(field, "is required")
-        prepared = service.prepare(body, caller=caller)
+        prepared = await service.prepare_async(body, caller=caller)
         chunks = service.stream(prepared)
         if not prepared.validated.stream:
             return JSONResponse(await whole_response(prepared, chunks))

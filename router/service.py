@@ -9,6 +9,7 @@ The gRPC servicer and the OpenAI HTTP routes are thin adapters over `prepare` an
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -85,6 +86,17 @@ Outcome = str
 FinishHook = Callable[[Outcome, RequestTimings | None, int], None]
 
 
+# Prompts up to this many characters are tokenized on the event loop (well under a
+# millisecond); longer ones (up to router.max_prompt_chars) in a worker thread.
+INLINE_TOKENIZE_CHARS = 8192
+
+
+def _num_chars(validated: ValidatedRequest) -> int:
+    if validated.messages is None:
+        return len(validated.prompt or "")
+    return sum(len(m.content) for m in validated.messages)
+
+
 class RouterService:
     def __init__(
         self,
@@ -119,8 +131,29 @@ class RouterService:
     def prepare(
         self, body: dict[str, Any], request_id: str = "", caller: Caller | None = None
     ) -> PreparedRequest:
+        """Validate and tokenize here, on the caller's thread."""
         validated = validate_request(body, self.limits)
-        prompt_ids = self._tokenize(validated)
+        return self._prepared(validated, self._tokenize(validated), request_id, caller)
+
+    async def prepare_async(
+        self, body: dict[str, Any], request_id: str = "", caller: Caller | None = None
+    ) -> PreparedRequest:
+        """`prepare` for the event loop: a prompt past INLINE_TOKENIZE_CHARS is tokenized in a
+        worker thread, so one long prompt does not stall every stream of this router."""
+        validated = validate_request(body, self.limits)
+        if _num_chars(validated) <= INLINE_TOKENIZE_CHARS:
+            prompt_ids = self._tokenize(validated)
+        else:
+            prompt_ids = await asyncio.to_thread(self._tokenize, validated)
+        return self._prepared(validated, prompt_ids, request_id, caller)
+
+    def _prepared(
+        self,
+        validated: ValidatedRequest,
+        prompt_ids: list[int],
+        request_id: str,
+        caller: Caller | None,
+    ) -> PreparedRequest:
         params = fit_to_context(validated, len(prompt_ids), self.max_model_len)
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         request = GenerationRequest(request_id, tuple(prompt_ids), params)

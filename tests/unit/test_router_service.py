@@ -206,3 +206,48 @@ async def test_finishing_at_the_first_token_never_calls_decode() -> None:
     assert finished[0][0] == "ok" and finished[0][2] == 1
     engines = engines_of(service)
     assert engines.decode.decoded == [] and engines.decode.released == engines.prefill.handoffs
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
+    """prepare_async: a prompt (or chat) past INLINE_TOKENIZE_CHARS is tokenized in a worker
+    thread while the loop keeps serving (a ticker runs through a 0.3 s tokenization); a short
+    one on the loop itself."""
+    import threading
+    import time
+
+    from router.service import INLINE_TOKENIZE_CHARS
+
+    threads: list[threading.Thread] = []
+
+    class SlowTokenizer(FakeTokenizer):
+        def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+            threads.append(threading.current_thread())
+            if len(text) > INLINE_TOKENIZE_CHARS:
+                time.sleep(0.3)  # holds whichever thread tokenizes
+            return super().__call__(text, add_special_tokens)
+
+    service, _ = make_service(max_model_len=3 * INLINE_TOKENIZE_CHARS)
+    service.tokenizer = SlowTokenizer()
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    ticking = asyncio.ensure_future(ticker())
+    try:
+        short = await service.prepare_async({"prompt": "x" * INLINE_TOKENIZE_CHARS})
+        assert threads[-1] is threading.current_thread()
+        ticks = 0
+        long = await service.prepare_async({"prompt": "y" * (INLINE_TOKENIZE_CHARS + 1)})
+        assert threads[-1] is not threading.current_thread()
+        assert ticks >= 5, ticks  # the loop ran while the prompt was tokenized
+        content = "z" * (INLINE_TOKENIZE_CHARS + 1)
+        await service.prepare_async({"messages": [{"role": "user", "content": content}]})
+        assert threads[-1] is not threading.current_thread()
+    finally:
+        ticking.cancel()
+    assert short.request.num_prompt_tokens == INLINE_TOKENIZE_CHARS
+    assert long.request.prompt_token_ids == ids("y" * (INLINE_TOKENIZE_CHARS + 1))
