@@ -41,8 +41,11 @@ fi
 if ! command -v redis-server >/dev/null 2>&1; then
     echo "[install] installing redis-server"
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+        # A fresh machine's own package jobs (unattended upgrades at boot) may hold dpkg's lock:
+        # wait for it instead of failing.
+        apt-get -o DPkg::Lock::Timeout=600 update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+            redis-server >/dev/null
     else
         echo "[install] redis-server is missing: install it (apt-get install redis-server)" >&2
         exit 1
