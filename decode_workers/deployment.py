@@ -30,8 +30,9 @@ class DecodeServer(ReplicaShell):
         self._transfer_metrics.observe_loads(self._worker.stats.kv_loads)
 
     async def decode(
-        self, request: GenerationRequest, handoff: KVHandoff
+        self, request: GenerationRequest, handoff: KVHandoff, avoid: tuple[str, ...] = ()
     ) -> AsyncIterator[TokenEvent]:
+        """`avoid` is for the request router (replicas that failed this request)."""
         # TPOT of this request on this replica: from its first decoded token to its last.
         first_at = last_at = 0.0
         num_tokens = 0

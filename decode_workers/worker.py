@@ -41,10 +41,11 @@ class DecodeWorker(KVEndpoint):
         handoff.verify()
 
     async def decode(
-        self, request: GenerationRequest, handoff: KVHandoff
+        self, request: GenerationRequest, handoff: KVHandoff, avoid: frozenset[str] = frozenset()
     ) -> AsyncIterator[TokenEvent]:
         """Stream the tokens after `handoff.first_token`. Raises KVHandshakeError before any
-        transfer when the producer's layout differs, KVTransferError when the KV is bad."""
+        transfer when the producer's layout differs, KVTransferError when the KV is bad.
+        (`avoid`, the replicas a moved request failed on, concerns only pools of several.)"""
         # Refused before any transfer; the producer's lease stays with the caller to release
         # through a compatible decode worker, or to expire.
         self.check_handoff(handoff)

@@ -146,6 +146,13 @@ class RouterConfig(_Strict):
         "EXHAUSTED; `pdserve up` sets it on Serve's proxy, a cluster sets "
         "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE on its nodes)",
     )
+    max_migrations: int = Field(
+        2,
+        ge=0,
+        description="times a request moves to other replicas when an engine, a replica or a KV "
+        "transfer fails under it (the prompt plus the tokens delivered start again there); "
+        "past them the call fails: gRPC UNAVAILABLE, HTTP 503 or an SSE error event",
+    )
     api_keys_file: str | None = Field(
         None,
         description="file of hashed API keys (router/auth.py) callers must present; "

@@ -78,6 +78,7 @@ def router_settings(config: AppConfig, release_is_idempotent: bool = False) -> R
         max_stop_chars=router.max_stop_chars,
         max_messages=router.max_messages,
         max_body_bytes=router.max_body_bytes,
+        max_migrations=router.max_migrations,
     )
 
 

@@ -22,7 +22,10 @@ class PrefillServer(ReplicaShell):
     def num_pending_prefill_tokens(self) -> int:
         return self._window.num_pending_tokens
 
-    async def prefill(self, request: GenerationRequest) -> PrefillResult:
+    async def prefill(
+        self, request: GenerationRequest, avoid: tuple[str, ...] = ()
+    ) -> PrefillResult:
+        """`avoid` is for the request router (replicas that failed this request)."""
         token = self._window.request_started(request.num_prompt_tokens)
         try:
             result = await self._worker.prefill(request)

@@ -31,7 +31,11 @@ class PrefillWorker(KVEndpoint):
         # that attempt's store only, never a later retry of the same request id.
         self._attempts: dict[str, str] = {}
 
-    async def prefill(self, request: GenerationRequest) -> PrefillResult:
+    async def prefill(
+        self, request: GenerationRequest, avoid: frozenset[str] = frozenset()
+    ) -> PrefillResult:
+        """The prompt's first token and its KV's handoff. (`avoid`, the replicas a moved
+        request failed on, concerns only pools of several.)"""
         if request.num_prompt_tokens >= self.settings.max_model_len:
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens; the model's context is "

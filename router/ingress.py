@@ -31,6 +31,7 @@ from engine.prompts import load_tokenizer
 from router.admission import AdmissionLimits
 from router.auth import ApiKeys, Unauthenticated, bearer_token
 from router.key_limits import LocalKeyLimiter, SharedKeyLimiter
+from router.lifecycle import DEFAULT_MAX_MIGRATIONS, StreamInterrupted
 from router.metrics import RouterMetrics
 from router.openai_api import (
     error_response,
@@ -102,6 +103,8 @@ class RouterSettings:
     max_stop_chars: int = RequestLimits.max_stop_chars
     max_messages: int = RequestLimits.max_messages
     max_body_bytes: int = 8 * 1024**2
+    # Restarts of a request on other replicas after an engine failure (router/lifecycle.py).
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS
 
 
 def _router_replica_id() -> str:
@@ -123,7 +126,9 @@ class Router:
         if settings.colocated:
             engines = ColocatedEngines(handles[0])
         else:
-            engines = DisaggregatedEngines(handles[0], handles[1], settings.release_is_idempotent)
+            engines = DisaggregatedEngines(
+                handles[0], handles[1], settings.release_is_idempotent, settings.max_migrations
+            )
         url = settings.control_url
         self.store = ControlStore.from_url(url, settings.app) if url else None
         self.service = RouterService(
@@ -245,6 +250,10 @@ class Router:
         except Overloaded as exc:
             self.service.record_refusal("overloaded")
             grpc_context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            grpc_context.set_details(str(exc))
+            raise
+        except StreamInterrupted as exc:  # counted by the service, as an error
+            grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
             grpc_context.set_details(str(exc))
             raise
 

@@ -1,7 +1,17 @@
-"""The request lifecycle across the pools: prefill -> first token -> decode stream.
+"""The request lifecycle across the pools: prefill -> first token -> decode stream, and the
+stream's migration when an engine fails under it.
 
 Ownership: every handoff that prefill returns ends here in a decode (which consumes the lease)
 or a release (finished at the first token, cancelled, or refused).
+
+Migration: when prefill or decode fails (a replica or its engine died, a load failed, under
+`failure_policy: fail` too, or a lease expired), the request starts again on other replicas with the prompt plus every token already
+delivered, and max_tokens less those; the caller's stream goes on from the next token, with no
+token repeated or missing (greedy output is the uninterrupted run's). The replicas that failed
+the request are passed on (`avoid`) so the request routers choose others. After
+`max_migrations` such restarts the next failure is a `StreamInterrupted` naming how many tokens
+were delivered. Errors in the request itself (ValueError: too long a prompt, a KV layout
+mismatch) are not retried.
 
 The pools are ports: a PrefillWorker/DecodeWorker in-process (engine tests), or Serve handles to
 the pools (the app). Both satisfy `PrefillPort` / `DecodePort`.
@@ -10,14 +20,32 @@ the pools (the app). Both satisfy `PrefillPort` / `DecodePort`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 from typing import Protocol
 
-from engine.messages import GenerationRequest, KVHandoff, PrefillResult, TokenEvent
+from engine.messages import (
+    GenerationRequest,
+    KVHandoff,
+    KVTransferError,
+    PrefillResult,
+    TokenEvent,
+)
+
+logger = logging.getLogger(__name__)
+
+# Restarts of one request after an engine failure before its stream fails.
+DEFAULT_MAX_MIGRATIONS = 2
+
+NO_REPLICAS: frozenset[str] = frozenset()
 
 
 class PrefillPort(Protocol):
-    async def prefill(self, request: GenerationRequest) -> PrefillResult: ...
+    async def prefill(
+        self, request: GenerationRequest, avoid: frozenset[str] = NO_REPLICAS
+    ) -> PrefillResult: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -27,17 +55,108 @@ class DecodePort(Protocol):
     def release_is_idempotent(self) -> bool: ...
 
     def decode(
-        self, request: GenerationRequest, handoff: KVHandoff
+        self, request: GenerationRequest, handoff: KVHandoff, avoid: frozenset[str] = NO_REPLICAS
     ) -> AsyncIterator[TokenEvent]: ...
 
     async def release(self, handoff: KVHandoff) -> None: ...
 
 
+class StreamInterrupted(RuntimeError):
+    """The engines failed under a request more often than it may move (gRPC UNAVAILABLE, HTTP
+    503, or an error event on a stream already started)."""
+
+    def __init__(self, request_id: str, num_delivered: int, num_attempts: int) -> None:
+        super().__init__(
+            f"request {request_id} failed after {num_delivered} tokens were delivered "
+            f"({num_attempts} attempts); retry it"
+        )
+        self.num_delivered = num_delivered
+        self.num_attempts = num_attempts
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """An engine, replica or transfer failure, which other replicas may not have. ValueError
+    (Ray's task errors are instances of their cause) is the request's own fault."""
+    return isinstance(exc, Exception) and not isinstance(exc, ValueError)
+
+
+def continuation(
+    request: GenerationRequest, delivered: list[int], attempt: int
+) -> GenerationRequest:
+    """The request that goes on after `delivered`: the prompt plus those tokens, max_tokens less
+    them, under a new id (the failed attempt may still be known to an engine)."""
+    params = replace(request.params, max_tokens=request.params.max_tokens - len(delivered))
+    return replace(
+        request,
+        request_id=f"{request.request_id}~{attempt}",
+        prompt_token_ids=request.prompt_token_ids + tuple(delivered),
+        params=params,
+    )
+
+
 async def generate_disaggregated(
-    prefill: PrefillPort, decode: DecodePort, request: GenerationRequest
+    prefill: PrefillPort,
+    decode: DecodePort,
+    request: GenerationRequest,
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS,
 ) -> AsyncIterator[TokenEvent]:
     request = request.with_pinned_seed()
-    result = await _prefill_or_give_back(prefill, decode, request)
+    delivered: list[int] = []
+    failed_on: set[str] = set()
+    attempt = 0
+    while True:
+        current = continuation(request, delivered, attempt) if attempt else request
+        resumed = bool(delivered)  # the caller's stream already had its first token
+        at = _Holder()
+        try:
+            attempt_events = _one_attempt(prefill, decode, current, frozenset(failed_on), at)
+            # Closed with this stream (client gone): its finally gives back what it holds.
+            async with contextlib.aclosing(attempt_events) as events:
+                async for event in events:
+                    if resumed and (event.is_first or event.is_decode_start):
+                        if event.is_decode_start:
+                            continue
+                        event = replace(event, is_first=False, prefill_seconds=0.0, replica_id="")
+                    delivered.extend(event.token_ids)
+                    yield event
+            return
+        except Exception as exc:
+            if not is_retryable(exc):
+                raise
+            if attempt >= max_migrations:
+                raise StreamInterrupted(request.request_id, len(delivered), attempt + 1) from exc
+            if at.replica is not None:
+                failed_on.add(at.replica)
+            attempt += 1
+            logger.warning(
+                "request %s failed on %s after %d tokens (%s: %s); moving it (attempt %d of %d)",
+                request.request_id,
+                at.replica or "an unknown replica",
+                len(delivered),
+                type(exc).__name__,
+                exc,
+                attempt + 1,
+                max_migrations + 1,
+            )
+
+
+class _Holder:
+    """The replica holding an attempt's request now (None: not known, e.g. decode was called
+    and has not answered yet)."""
+
+    replica: str | None = None
+
+
+async def _one_attempt(
+    prefill: PrefillPort,
+    decode: DecodePort,
+    request: GenerationRequest,
+    avoid: frozenset[str],
+    at: _Holder,
+) -> AsyncGenerator[TokenEvent]:
+    """Prefill then decode once; `at` follows the replica that holds the request."""
+    result = await _prefill_or_give_back(prefill, decode, request, avoid)
+    at.replica = result.handoff.producer_id
     decoding = False
     try:
         yield TokenEvent(
@@ -51,26 +170,41 @@ async def generate_disaggregated(
             return
         yield TokenEvent((), None, is_decode_start=True)
         decoding = True
+        at.replica = None
         finished = False
         try:
-            async for event in decode.decode(request, result.handoff):
+            async for event in decode.decode(request, result.handoff, avoid):
+                if event.replica_id:
+                    at.replica = event.replica_id
+                if event.finish_reason == "error":
+                    # vLLM's kv_load_failure_policy "fail": the KV never arrived. Not an answer.
+                    raise KVTransferError(f"decode could not load the KV of {request.request_id}")
                 finished = event.finish_reason is not None
                 yield event
         finally:
             if not finished and decode.release_is_idempotent:
-                await decode.release(result.handoff)
+                await _release(decode, result.handoff)
     finally:
         if not decoding:
-            await decode.release(result.handoff)
+            await _release(decode, result.handoff)
+
+
+async def _release(decode: DecodePort, handoff: KVHandoff) -> None:
+    """Give a handoff back; a failure here (the pool itself failing) leaves the lease to
+    expire, and must not hide the error that brought us here."""
+    try:
+        await decode.release(handoff)
+    except Exception as exc:
+        logger.warning("releasing the KV of %s failed: %s", handoff.request_id, exc)
 
 
 async def _prefill_or_give_back(
-    prefill: PrefillPort, decode: DecodePort, request: GenerationRequest
+    prefill: PrefillPort, decode: DecodePort, request: GenerationRequest, avoid: frozenset[str]
 ) -> PrefillResult:
     """Prefill, safe against the caller being cancelled meanwhile: the engine may finish the
     request (and its connector store the KV under a lease) just as the cancel arrives, and then
     nobody else holds the handoff that frees it."""
-    task = asyncio.ensure_future(prefill.prefill(request))
+    task = asyncio.ensure_future(prefill.prefill(request, avoid))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:

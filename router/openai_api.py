@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from router.auth import Unauthenticated
+from router.lifecycle import StreamInterrupted
 from router.service import Caller, Overloaded, PreparedRequest, RouterService, StreamChunk
 from router.validation import InvalidRequest
 
@@ -134,11 +135,26 @@ async def sse_events(
     first: StreamChunk,
     rest: AsyncIterator[StreamChunk],
 ) -> AsyncIterator[bytes]:
+    """The stream's events; a failure after the first (the engines failed more often than the
+    request may move, or an error of ours) is an OpenAI error event, then [DONE], as vLLM does:
+    the status line has gone out already."""
     created = int(time.time())
     yield f"data: {json.dumps(_chunk_json(prepared, first, created))}\n\n".encode()
-    async for chunk in rest:
-        yield f"data: {json.dumps(_chunk_json(prepared, chunk, created))}\n\n".encode()
+    try:
+        async for chunk in rest:
+            yield f"data: {json.dumps(_chunk_json(prepared, chunk, created))}\n\n".encode()
+    except Exception as exc:
+        status, kind = _failure_status(exc)
+        error = {"message": _short(exc), "type": kind, "param": None, "code": status}
+        yield f"data: {json.dumps({'error': error})}\n\n".encode()
     yield b"data: [DONE]\n\n"
+
+
+def _failure_status(exc: BaseException) -> tuple[int, str]:
+    """(HTTP status, OpenAI error type) of a request that failed in the engines."""
+    if isinstance(exc, StreamInterrupted):
+        return 503, "service_unavailable"
+    return 500, "internal_error"
 
 
 async def whole_response(
@@ -198,6 +214,8 @@ async def openai_generate(
     except Overloaded as exc:
         service.record_refusal("overloaded")
         return error_response(429, str(exc), "rate_limit_exceeded")
+    except StreamInterrupted as exc:  # counted by the service, as an error
+        return error_response(503, str(exc), "service_unavailable")
     return StreamingResponse(
         sse_events(service, prepared, first, chunks), media_type="text/event-stream"
     )

@@ -10,7 +10,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.messages import GenerationRequest, KVHandoff, PrefillResult, TokenEvent
-from router.lifecycle import generate_disaggregated
+from router.lifecycle import DEFAULT_MAX_MIGRATIONS, NO_REPLICAS, generate_disaggregated
+
+
+def _avoiding(avoid: frozenset[str]) -> dict[str, Any]:
+    """The handle call's keyword for the pool's request router (router/replica_router.py):
+    replicas that already failed this request. Absent on a first attempt."""
+    return {"avoid": tuple(sorted(avoid))} if avoid else {}
 
 
 async def _stream_call(response: Any) -> AsyncIterator[Any]:
@@ -28,8 +34,10 @@ class PrefillPool:
     def __init__(self, handle: Any) -> None:
         self._handle = handle
 
-    async def prefill(self, request: GenerationRequest) -> PrefillResult:
-        result: PrefillResult = await self._handle.prefill.remote(request)
+    async def prefill(
+        self, request: GenerationRequest, avoid: frozenset[str] = NO_REPLICAS
+    ) -> PrefillResult:
+        result: PrefillResult = await self._handle.prefill.remote(request, **_avoiding(avoid))
         return result
 
     async def abort(self, request_id: str) -> None:
@@ -48,11 +56,10 @@ class DecodePool:
         return self._release_is_idempotent
 
     async def decode(
-        self, request: GenerationRequest, handoff: KVHandoff
+        self, request: GenerationRequest, handoff: KVHandoff, avoid: frozenset[str] = NO_REPLICAS
     ) -> AsyncIterator[TokenEvent]:
-        async for chunk in _stream_call(
-            self._handle.options(stream=True).decode.remote(request, handoff)
-        ):
+        call = self._handle.options(stream=True).decode
+        async for chunk in _stream_call(call.remote(request, handoff, **_avoiding(avoid))):
             yield chunk
 
     async def release(self, handoff: KVHandoff) -> None:
@@ -63,13 +70,20 @@ class DisaggregatedEngines:
     """Prefill pool -> first token -> decode pool (the `disaggregated` topology)."""
 
     def __init__(
-        self, prefill_handle: Any, decode_handle: Any, release_is_idempotent: bool
+        self,
+        prefill_handle: Any,
+        decode_handle: Any,
+        release_is_idempotent: bool,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     ) -> None:
         self._prefill = PrefillPool(prefill_handle)
         self._decode = DecodePool(decode_handle, release_is_idempotent)
+        self._max_migrations = max_migrations
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        async for event in generate_disaggregated(self._prefill, self._decode, request):
+        async for event in generate_disaggregated(
+            self._prefill, self._decode, request, self._max_migrations
+        ):
             yield event
 
 

@@ -54,12 +54,22 @@ def make_request(
     return GenerationRequest(request_id, ids(prompt), GenerationParams(**params))
 
 
+def _num_delivered(seen: list[GenerationRequest], request: GenerationRequest) -> int:
+    """How many answer tokens a moved request ("<id>~<n>", router/lifecycle.py) carries: its
+    prompt's length past that of the request it moves (0 for a request not moved)."""
+    root = request.request_id.split("~")[0]
+    base = next((r for r in seen if r.request_id == root), request)
+    return request.num_prompt_tokens - base.num_prompt_tokens
+
+
 class FakePrefill:
     """The prefill pool: answers with `first` as the first token and a fresh handoff.
 
     `gate`: the call waits for it (a cancel can land meanwhile). `error`: raised instead of a
-    result. `abort_fails_prefill`: an abort makes the waiting call fail, as an engine that
-    drops the request before its KV is stored; otherwise the call finishes anyway.
+    result (by the first `fail_times` calls; None: by all). `abort_fails_prefill`: an abort
+    makes the waiting call fail, as an engine that drops the request before its KV is stored;
+    otherwise the call finishes anyway. `then`: the answer after `first`, so a moved request
+    (its prompt plus the tokens delivered) gets the answer's next token first.
     """
 
     def __init__(
@@ -69,9 +79,13 @@ class FakePrefill:
         *,
         gate: asyncio.Event | None = None,
         error: Exception | None = None,
+        fail_times: int | None = None,
         abort_fails_prefill: bool = False,
+        then: str = "orld",
     ) -> None:
         self.first = first
+        self.answer = first + then
+        self.fail_times = fail_times
         self.finish_reason = finish_reason
         self.gate = gate
         self.error = error
@@ -79,29 +93,38 @@ class FakePrefill:
         self.requests: list[GenerationRequest] = []
         self.handoffs: list[KVHandoff] = []
         self.aborted: list[str] = []
+        self.avoided: list[frozenset[str]] = []
         self.started = asyncio.Event()
 
-    async def prefill(self, request: GenerationRequest) -> PrefillResult:
+    async def prefill(
+        self, request: GenerationRequest, avoid: frozenset[str] = frozenset()
+    ) -> PrefillResult:
         self.requests.append(request)
+        self.avoided.append(avoid)
         self.started.set()
         if self.gate is not None:
             await self.gate.wait()
-        if self.error is not None:
+        if self.error is not None and (
+            self.fail_times is None or len(self.requests) <= self.fail_times
+        ):
             raise self.error
         if request.request_id in self.aborted and self.abort_fails_prefill:
             raise KVTransferError(f"{request.request_id} aborted before its KV was stored")
+        position = _num_delivered(self.requests, request)
         handoff = KVHandoff(
             backend="ray",
             producer_id="prefill-0",
             request_id=request.request_id,
             num_prompt_tokens=request.num_prompt_tokens,
-            first_token=ord(self.first),
+            first_token=ord(self.answer[position]),
             layout=LAYOUT,
             lease_expires_at=time.time() + 60,
             pull=RayPull.from_producer_params({"key": request.request_id}),
         )
         self.handoffs.append(handoff)
-        return PrefillResult(handoff, self.finish_reason, prefill_seconds=0.001)
+        last = position == len(self.answer) - 1
+        finish_reason = self.finish_reason or ("length" if last else None)
+        return PrefillResult(handoff, finish_reason, prefill_seconds=0.001)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -111,7 +134,9 @@ class FakeDecode:
     """The decode pool: streams `text` one token per event, the last with `finish_reason`.
 
     `gate_at`: waits for `gate` before the token of that index. `error_at`: raises a
-    KVTransferError instead of the token of that index.
+    KVTransferError instead of the token of that index (in the first `fail_times` calls; None:
+    in all). A moved request (its prompt plus the tokens delivered) gets the rest of `text`.
+    Each call's first event names the replica "decode-<call index>".
     """
 
     def __init__(
@@ -123,8 +148,10 @@ class FakeDecode:
         gate: asyncio.Event | None = None,
         gate_at: int = 0,
         error_at: int | None = None,
+        fail_times: int | None = None,
     ) -> None:
         self.text = text
+        self.fail_times = fail_times
         self.finish_reason = finish_reason
         self._release_is_idempotent = release_is_idempotent
         self.gate = gate
@@ -133,6 +160,7 @@ class FakeDecode:
         self.requests: list[GenerationRequest] = []
         self.decoded: list[KVHandoff] = []
         self.released: list[KVHandoff] = []
+        self.avoided: list[frozenset[str]] = []
         self.waiting = asyncio.Event()
 
     @property
@@ -140,18 +168,26 @@ class FakeDecode:
         return self._release_is_idempotent
 
     async def decode(
-        self, request: GenerationRequest, handoff: KVHandoff
+        self, request: GenerationRequest, handoff: KVHandoff, avoid: frozenset[str] = frozenset()
     ) -> AsyncIterator[TokenEvent]:
         self.requests.append(request)
+        self.avoided.append(avoid)
         self.decoded.append(handoff)
-        for index, char in enumerate(self.text):
+        call = len(self.requests) - 1
+        fails = self.fail_times is None or call < self.fail_times
+        text = self.text[_num_delivered(self.requests, request) :]
+        for index, char in enumerate(text):
             if self.gate is not None and index == self.gate_at:
                 self.waiting.set()
                 await self.gate.wait()
-            if index == self.error_at:
+            if index == self.error_at and fails:
                 raise KVTransferError(f"decode of {request.request_id} lost its KV")
-            last = index == len(self.text) - 1
-            yield TokenEvent((ord(char),), self.finish_reason if last else None)
+            last = index == len(text) - 1
+            yield TokenEvent(
+                (ord(char),),
+                self.finish_reason if last else None,
+                replica_id=f"decode-{call}" if index == 0 else "",
+            )
 
     async def release(self, handoff: KVHandoff) -> None:
         self.released.append(handoff)

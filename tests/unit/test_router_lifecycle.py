@@ -1,6 +1,7 @@
-"""`generate_disaggregated` over in-process fake pools: the event stream, and that every
-handoff prefill makes ends decoded or released exactly once, whatever stage a cancel, an error
-or an early finish lands in. Milliseconds each; the engine tests run the same code on vLLM."""
+"""`generate_disaggregated` over in-process fake pools: the event stream, that every handoff
+prefill makes ends decoded or released exactly once, whatever stage a cancel, an error or an
+early finish lands in, and that a failed stream moves on with nothing repeated or lost.
+Milliseconds each; the engine tests run the same code on vLLM."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engine.messages import KVTransferError, TokenEvent
-from router.lifecycle import generate_disaggregated
+from router.lifecycle import StreamInterrupted, generate_disaggregated
 from tests.fakes import FakeDecode, FakePrefill, ids, make_request
 
 
@@ -124,15 +125,70 @@ async def test_a_prefill_error_reaches_the_caller_with_nothing_to_release() -> N
 
 
 @pytest.mark.parametrize("idempotent", [True, False])
-async def test_a_decode_error_reaches_the_caller_after_the_tokens_sent(idempotent: bool) -> None:
+async def test_a_decode_failure_moves_the_stream_with_no_token_repeated_or_lost(
+    idempotent: bool,
+) -> None:
     prefill = FakePrefill()
-    decode = FakeDecode("orld", release_is_idempotent=idempotent, error_at=2)
+    decode = FakeDecode("orld", release_is_idempotent=idempotent, error_at=1, fail_times=1)
+    events = await collect(generate_disaggregated(prefill, decode, make_request(max_tokens=5)))
+    assert tokens(events) == ids("World")
+    assert [e.is_first for e in events].count(True) == 1 and events[0].is_first
+    assert [e.is_decode_start for e in events].count(True) == 1
+    assert events[-1].finish_reason == "length"
+    # Moved with the prompt plus the two tokens delivered, under a new id, for the rest.
+    moved = prefill.requests[1]
+    assert moved.prompt_token_ids == ids("hello") + ids("Wo")
+    assert (moved.request_id, moved.params.max_tokens) == ("req-1~1", 3)
+    assert decode.requests[1] == moved
+    # Both pools are told which replica failed the request.
+    assert prefill.avoided == decode.avoided == [frozenset(), frozenset({"decode-0"})]
+    first_handoff, moved_handoff = prefill.handoffs
+    assert decode.decoded == [first_handoff, moved_handoff]
+    assert decode.released == ([first_handoff] if idempotent else [])
+
+
+async def test_a_failed_kv_load_is_no_answer_but_a_failure_that_moves_the_stream() -> None:
+    """`failure_policy: fail`: vLLM ends the request with finish reason "error"."""
+    prefill = FakePrefill()
+    decode = FakeDecode("orld", finish_reason="error")  # on every decode's last event
+    events = await collect(generate_disaggregated(prefill, decode, make_request(max_tokens=5)))
+    assert tokens(events) == ids("World")  # "d" from the moved request's prefill
+    assert events[-1].finish_reason == "length"
+    assert all(e.finish_reason != "error" for e in events)
+
+
+async def test_past_its_migrations_a_failing_stream_is_interrupted_naming_what_it_sent() -> None:
+    prefill = FakePrefill(then="orld and more")
+    decode = FakeDecode("orld and more", error_at=1)  # fails on every replica
     received: list[TokenEvent] = []
-    with pytest.raises(KVTransferError, match="lost its KV"):
-        async for event in generate_disaggregated(prefill, decode, make_request()):
+    with pytest.raises(StreamInterrupted, match="after 6 tokens were delivered") as raised:
+        async for event in generate_disaggregated(prefill, decode, make_request(max_tokens=14)):
             received.append(event)
-    assert tokens(received) == ids("Wor")
-    assert decode.released == (prefill.handoffs if idempotent else [])
+    assert tokens(received) == ids("World ")
+    assert (raised.value.num_delivered, raised.value.num_attempts) == (6, 3)
+    assert isinstance(raised.value.__cause__, KVTransferError)
+    assert decode.avoided == [
+        frozenset(),
+        frozenset({"decode-0"}),
+        frozenset({"decode-0", "decode-1"}),
+    ]
+
+
+async def test_no_migrations_allowed_means_the_first_failure_interrupts() -> None:
+    prefill, decode = FakePrefill(), FakeDecode("orld", error_at=1, fail_times=1)
+    with pytest.raises(StreamInterrupted, match="after 2 tokens"):
+        await collect(generate_disaggregated(prefill, decode, make_request(), max_migrations=0))
+    assert len(prefill.requests) == 1
+
+
+async def test_a_prefill_failure_before_the_first_token_is_retried_as_it_was() -> None:
+    prefill = FakePrefill(error=RuntimeError("the prefill replica died"), fail_times=1)
+    decode = FakeDecode()
+    events = await collect(generate_disaggregated(prefill, decode, make_request(max_tokens=5)))
+    assert tokens(events) == ids("World") and events[0].is_first
+    assert [r.request_id for r in prefill.requests] == ["req-1", "req-1~1"]
+    assert prefill.requests[1].prompt_token_ids == ids("hello")
+    assert prefill.requests[1].params.max_tokens == 5
 
 
 async def test_a_decode_stream_that_ends_unfinished_is_released_where_safe() -> None:

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from engine.messages import KVTransferError
 from router.admission import AdmissionLimits
+from router.lifecycle import StreamInterrupted
 from router.service import Overloaded, RouterService, StreamChunk
 from router.timings import RequestTimings
 from router.validation import InvalidRequest, RequestLimits
@@ -168,14 +168,26 @@ async def test_a_prefill_error_is_the_callers_and_an_error_outcome() -> None:
 
 
 @pytest.mark.parametrize("idempotent", [True, False])
-async def test_a_decode_error_is_the_callers_and_an_error_outcome(idempotent: bool) -> None:
-    decode = FakeDecode("orld", release_is_idempotent=idempotent, error_at=1)
+async def test_a_decode_failure_past_the_migrations_is_the_callers_and_an_error_outcome(
+    idempotent: bool,
+) -> None:
+    decode = FakeDecode("orld", release_is_idempotent=idempotent, error_at=0)
     service, finished = make_service(FakePrefill(), decode)
-    with pytest.raises(KVTransferError):
+    with pytest.raises(StreamInterrupted, match="after 3 tokens were delivered"):
         await run(service, {"prompt": "hello"})
-    assert finished == [("error", None, 2)]
+    assert finished == [("error", None, 3)]
     engines = engines_of(service)
     assert engines.decode.released == (engines.prefill.handoffs if idempotent else [])
+
+
+async def test_a_moved_stream_is_one_stream_to_the_caller() -> None:
+    decode = FakeDecode("orld", error_at=1, fail_times=1)
+    service, finished = make_service(FakePrefill(), decode)
+    chunks = await run(service, {"prompt": "hello", "max_tokens": 5})
+    assert "".join(c.text for c in chunks) == "World"
+    assert [c.finish_reason for c in chunks] == [None] * 4 + ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    assert [(outcome, num) for outcome, _, num in finished] == [("ok", 5)]
 
 
 async def test_engines_that_stop_without_a_finish_reason_are_an_error() -> None:
