@@ -6,6 +6,7 @@ Milliseconds each; tests/e2e runs the same service behind Serve, gRPC and HTTP."
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -263,3 +264,20 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
         ticking.cancel()
     assert short.request.num_prompt_tokens == INLINE_TOKENIZE_CHARS
     assert long.request.prompt_token_ids == ids("y" * (INLINE_TOKENIZE_CHARS + 1))
+
+
+async def test_an_sse_stream_failing_after_it_started_ends_with_an_error_event_and_done() -> None:
+    from router.openai_api import sse_events
+
+    service, finished = make_service(FakePrefill(), FakeDecode("orld", error_at=0))
+    prepared = service.prepare({"prompt": "hello", "stream": True}, "req-1")
+    chunks = service.stream(prepared)
+    first = await anext(chunks)
+    events = [e.decode() async for e in sse_events(service, prepared, first, chunks)]
+    *data, error, done = events
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in data) == "Wor"
+    body = json.loads(error.removeprefix("data: "))["error"]
+    assert (body["code"], body["type"]) == (503, "service_unavailable")
+    assert "after 3 tokens were delivered" in body["message"]
+    assert done == "data: [DONE]\n\n"
+    assert [outcome for outcome, _, _ in finished] == ["error"]
