@@ -104,6 +104,8 @@ def decode_replica_load(raw: str | bytes) -> ReplicaLoad:
         num_kv_loads=_int(data, "num_kv_loads"),
         num_kv_load_failures=_int(data, "num_kv_load_failures"),
         num_kv_recomputed_tokens=_int(data, "num_kv_recomputed_tokens"),
+        # Absent from loads written before the field existed: healthy, as they were then.
+        is_healthy=_bool(data, "is_healthy") if "is_healthy" in data else True,
     )
 
 
@@ -188,6 +190,13 @@ def _int(data: dict[str, object], name: str) -> int:
     # bool is an int subclass; `true` for a count is a writer bug, not 1.
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"field {name!r} must be an integer, got {value!r}")
+    return value
+
+
+def _bool(data: dict[str, object], name: str) -> bool:
+    value = _require(data, name)
+    if not isinstance(value, bool):
+        raise ValueError(f"field {name!r} must be true or false, got {value!r}")
     return value
 
 

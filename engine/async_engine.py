@@ -87,6 +87,7 @@ class ServedEngine:
             num_kv_loads=loads.num_loads,
             num_kv_load_failures=loads.num_failures,
             num_kv_recomputed_tokens=loads.num_recomputed_tokens,
+            is_healthy=not self.engine.errored,
         )
 
     async def abort(self, request_id: str) -> None:

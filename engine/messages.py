@@ -257,6 +257,9 @@ class ReplicaLoad:
     num_kv_loads: int = 0
     num_kv_load_failures: int = 0
     num_kv_recomputed_tokens: int = 0
+    # False once the replica's engine has died: the request routers send it nothing more, and
+    # Serve's health check replaces the replica.
+    is_healthy: bool = True
 
     def __post_init__(self) -> None:
         if not self.replica_id:

@@ -57,6 +57,17 @@ def serve_replica_id(default: str) -> str:
         return default
 
 
+def pool_worker_id(pool: str, unique_id: str) -> str:
+    """The id a replica's engine goes by in handoffs, token events and loads: its pool and its
+    Serve replica's unique id ("decode-x1y2z3")."""
+    return f"{pool}-{unique_id}"
+
+
+def unique_id_of(worker_id: str) -> str:
+    """The Serve replica's unique id in a `pool_worker_id` (pool names hold no '-')."""
+    return worker_id.split("-", 1)[-1]
+
+
 class ReplicaShell:
     """Mixin for a deployment class holding one started engine in `self._engine_owner`."""
 
@@ -72,7 +83,7 @@ class ReplicaShell:
     def start_engine(self, owner: ServedEngine, status: LoadSink | None) -> None:
         """Name `owner` after this Serve replica (what the request router sees), start its
         engine, and keep where to publish its load: what every engine deployment does first."""
-        owner.worker_id = f"{self.pool}-{serve_replica_id(owner.worker_id)}"
+        owner.worker_id = pool_worker_id(self.pool, serve_replica_id(owner.worker_id))
         owner.start()
         self._engine_owner = owner
         self._status = status

@@ -122,12 +122,17 @@ class Router:
         self.settings = settings
         self.model_id = settings.served_name or model_path.name
         tokenizer = load_tokenizer(str(model_path))
+        self.metrics = RouterMetrics(settings.app)
         engines: EngineStream
         if settings.colocated:
             engines = ColocatedEngines(handles[0])
         else:
             engines = DisaggregatedEngines(
-                handles[0], handles[1], settings.release_is_idempotent, settings.max_migrations
+                handles[0],
+                handles[1],
+                settings.release_is_idempotent,
+                settings.max_migrations,
+                on_move=self.metrics.count_migration,
             )
         url = settings.control_url
         self.store = ControlStore.from_url(url, settings.app) if url else None
@@ -149,7 +154,6 @@ class Router:
             replica_id=_router_replica_id(),
             key_limiter=SharedKeyLimiter(self.store) if self.store else LocalKeyLimiter(),
         )
-        self.metrics = RouterMetrics(settings.app)
         self._background: set[asyncio.Task[Any]] = set()
 
     def _on_finish(self, outcome: str, timings: RequestTimings | None, num_tokens: int) -> None:

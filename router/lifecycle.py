@@ -5,13 +5,13 @@ Ownership: every handoff that prefill returns ends here in a decode (which consu
 or a release (finished at the first token, cancelled, or refused).
 
 Migration: when prefill or decode fails (a replica or its engine died, a load failed, under
-`failure_policy: fail` too, or a lease expired), the request starts again on other replicas with the prompt plus every token already
-delivered, and max_tokens less those; the caller's stream goes on from the next token, with no
-token repeated or missing (greedy output is the uninterrupted run's). The replicas that failed
-the request are passed on (`avoid`) so the request routers choose others. After
-`max_migrations` such restarts the next failure is a `StreamInterrupted` naming how many tokens
-were delivered. Errors in the request itself (ValueError: too long a prompt, a KV layout
-mismatch) are not retried.
+`failure_policy: fail` too, or a lease expired), the request starts again on other replicas
+with the prompt plus every token already delivered, and max_tokens less those; the caller's
+stream goes on from the next token, with no token repeated or missing (greedy output is the
+uninterrupted run's). The replicas that failed the request are passed on (`avoid`) so the
+request routers choose others. After `max_migrations` such restarts the next failure is a
+`StreamInterrupted` naming how many tokens were delivered. Errors in the request itself
+(ValueError: too long a prompt, a KV layout mismatch) are not retried.
 
 The pools are ports: a PrefillWorker/DecodeWorker in-process (engine tests), or Serve handles to
 the pools (the app). Both satisfy `PrefillPort` / `DecodePort`.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
 from typing import Protocol
 
@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_MIGRATIONS = 2
 
 NO_REPLICAS: frozenset[str] = frozenset()
+
+FailureHook = Callable[[str | None, bool], None]
 
 
 class PrefillPort(Protocol):
@@ -99,7 +101,10 @@ async def generate_disaggregated(
     decode: DecodePort,
     request: GenerationRequest,
     max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+    on_failure: FailureHook | None = None,
 ) -> AsyncIterator[TokenEvent]:
+    """`on_failure(replica, moved)`: an attempt failed on `replica` (None: not known); `moved`
+    says whether the request goes on elsewhere."""
     request = request.with_pinned_seed()
     delivered: list[int] = []
     failed_on: set[str] = set()
@@ -123,7 +128,10 @@ async def generate_disaggregated(
         except Exception as exc:
             if not is_retryable(exc):
                 raise
-            if attempt >= max_migrations:
+            moved = attempt < max_migrations
+            if on_failure is not None:
+                on_failure(at.replica, moved)
+            if not moved:
                 raise StreamInterrupted(request.request_id, len(delivered), attempt + 1) from exc
             if at.replica is not None:
                 failed_on.add(at.replica)

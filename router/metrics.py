@@ -35,6 +35,14 @@ class RouterMetrics:
         self.requests = Counter(
             "pdserve_requests_total", "requests by outcome", tag_keys=("app", "outcome")
         )
+        self.migrations = Counter(
+            "pdserve_migrations_total",
+            "requests moved to other replicas after an engine, replica or transfer failed",
+            tag_keys=tags,
+        )
+
+    def count_migration(self) -> None:
+        self.migrations.inc(1, tags=self._tags)
 
     def observe(self, outcome: str, timings: RequestTimings | None) -> None:
         self.requests.inc(1, tags={**self._tags, "outcome": outcome})

@@ -6,11 +6,32 @@ cancelled explicitly, so the replica's engine aborts the request and frees its K
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine.messages import GenerationRequest, KVHandoff, PrefillResult, TokenEvent
 from router.lifecycle import DEFAULT_MAX_MIGRATIONS, NO_REPLICAS, generate_disaggregated
+
+
+class RecentFailures:
+    """Replicas that failed a request in this router process lately. The pools add them to
+    every call's `avoid` for `ttl_s`, so a replica whose engine died gets no new request from
+    this router while Serve's health checks (3 failures, 10 s apart) replace it, whatever
+    Serve's routing stats say meanwhile (the controller refreshes them late under load)."""
+
+    def __init__(self, ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._until: dict[str, float] = {}
+
+    def mark(self, replica: str) -> None:
+        self._until[replica] = self._clock() + self._ttl_s
+
+    def recent(self) -> frozenset[str]:
+        now = self._clock()
+        self._until = {r: until for r, until in self._until.items() if until > now}
+        return frozenset(self._until)
 
 
 def _avoiding(avoid: frozenset[str]) -> dict[str, Any]:
@@ -31,12 +52,14 @@ async def _stream_call(response: Any) -> AsyncIterator[Any]:
 
 
 class PrefillPool:
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, failures: RecentFailures | None = None) -> None:
         self._handle = handle
+        self._failures = failures or RecentFailures()
 
     async def prefill(
         self, request: GenerationRequest, avoid: frozenset[str] = NO_REPLICAS
     ) -> PrefillResult:
+        avoid = avoid | self._failures.recent()
         result: PrefillResult = await self._handle.prefill.remote(request, **_avoiding(avoid))
         return result
 
@@ -47,9 +70,12 @@ class PrefillPool:
 
 
 class DecodePool:
-    def __init__(self, handle: Any, release_is_idempotent: bool) -> None:
+    def __init__(
+        self, handle: Any, release_is_idempotent: bool, failures: RecentFailures | None = None
+    ) -> None:
         self._handle = handle
         self._release_is_idempotent = release_is_idempotent
+        self._failures = failures or RecentFailures()
 
     @property
     def release_is_idempotent(self) -> bool:
@@ -58,6 +84,7 @@ class DecodePool:
     async def decode(
         self, request: GenerationRequest, handoff: KVHandoff, avoid: frozenset[str] = NO_REPLICAS
     ) -> AsyncIterator[TokenEvent]:
+        avoid = avoid | self._failures.recent()
         call = self._handle.options(stream=True).decode
         async for chunk in _stream_call(call.remote(request, handoff, **_avoiding(avoid))):
             yield chunk
@@ -67,7 +94,8 @@ class DecodePool:
 
 
 class DisaggregatedEngines:
-    """Prefill pool -> first token -> decode pool (the `disaggregated` topology)."""
+    """Prefill pool -> first token -> decode pool (the `disaggregated` topology). A request
+    that fails on a replica moves (router/lifecycle.py); `on_move` counts each move."""
 
     def __init__(
         self,
@@ -75,14 +103,23 @@ class DisaggregatedEngines:
         decode_handle: Any,
         release_is_idempotent: bool,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+        on_move: Callable[[], None] | None = None,
     ) -> None:
-        self._prefill = PrefillPool(prefill_handle)
-        self._decode = DecodePool(decode_handle, release_is_idempotent)
+        self.failures = RecentFailures()
+        self._prefill = PrefillPool(prefill_handle, self.failures)
+        self._decode = DecodePool(decode_handle, release_is_idempotent, self.failures)
         self._max_migrations = max_migrations
+        self._on_move = on_move
+
+    def _failed(self, replica: str | None, moved: bool) -> None:
+        if replica is not None:
+            self.failures.mark(replica)
+        if moved and self._on_move is not None:
+            self._on_move()
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         async for event in generate_disaggregated(
-            self._prefill, self._decode, request, self._max_migrations
+            self._prefill, self._decode, request, self._max_migrations, self._failed
         ):
             yield event
 

@@ -8,6 +8,8 @@ policy's choice comes first and the rest follow as fallbacks (a replica at its
 Prefill: prefix affinity through the prefix index (Redis when the app has a control plane, so
 every router replica shares it; in-memory otherwise), then least pending prefill tokens.
 Decode: most free KV blocks among replicas that fit the request, then fewest running.
+Both skip a replica whose engine died (its load says `is_healthy: false`) and those a moved
+request already failed on (the call's `avoid` keyword, router/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from control.store import ControlStore
 from engine.messages import GenerationRequest, ReplicaLoad
 from kv_transfer.blocks import num_blocks_for
+from prefill_workers.replica import unique_id_of
 from router.policy import (
     DecodeReplicaState,
     PrefillReplicaState,
@@ -49,6 +52,28 @@ def _load_of(replica: RunningReplica) -> ReplicaLoad | None:
     except (TypeError, ValueError) as exc:
         logger.debug("ignoring the routing stats of %s: %s", replica.replica_id, exc)
         return None
+
+
+def _avoided(pending: PendingRequest | None) -> set[str]:
+    """The Serve unique ids of the replicas this request already failed on (router/pools.py
+    passes their worker ids as the call's `avoid` keyword)."""
+    if pending is None:
+        return set()
+    return {unique_id_of(worker) for worker in pending.kwargs.get("avoid", ())}
+
+
+def _usable(replicas: list[RunningReplica], pending: PendingRequest | None) -> list[RunningReplica]:
+    """The replicas worth a call: not reported dead (`ReplicaLoad.is_healthy`: the engine
+    died; Serve replaces the replica within its health checks) and not already failed by this
+    request. All of them when that leaves none: then the call's own error says why."""
+    avoided = _avoided(pending)
+    usable = [
+        r
+        for r in replicas
+        if r.replica_id.unique_id not in avoided
+        and ((load := _load_of(r)) is None or load.is_healthy)
+    ]
+    return usable or replicas
 
 
 def _ranked(replicas: Sequence[RunningReplica], chosen: str | None) -> list[list[RunningReplica]]:
@@ -105,6 +130,7 @@ class PrefillRequestRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         request = _request_of(pending_request)
+        candidate_replicas = _usable(candidate_replicas, pending_request)
         if request is None or not candidate_replicas:
             return [candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
@@ -153,6 +179,7 @@ class DecodeRequestRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         request = _request_of(pending_request)
+        candidate_replicas = _usable(candidate_replicas, pending_request)
         reported = [
             (r, load)
             for r in candidate_replicas

@@ -78,3 +78,14 @@ def _address(hex_address: str, width: int) -> str:
     # /proc shows IPv6 as four little-endian 32-bit words.
     words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
     return str(ipaddress.IPv6Address(words))
+
+
+def children_named(pid: int, needle: str) -> list[int]:
+    """The direct children of `pid` whose command line contains `needle`."""
+    found = []
+    for child, parent in _parents().items():
+        if parent == pid:
+            with contextlib.suppress(OSError):
+                if needle in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"):
+                    found.append(child)
+    return found

@@ -1,7 +1,8 @@
 """An app with a choice to make: 2 router, 2 prefill and 2 decode replicas, each pool on its own
 host. Requests sharing a prefix land on one prefill replica through either router; decode goes
 where the KV blocks are free; the metrics count exactly what was sent; a broken transfer is
-counted and shown by `pdserve status`. Replica ids come back in every response's timings.
+counted and shown by `pdserve status`; a stream whose decode engine dies goes on elsewhere.
+Replica ids come back in every response's timings.
 
 The module's own app, so its metrics and counters hold only what these tests sent; the tests
 run in file order and build on that.
@@ -18,6 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,6 +32,7 @@ from engine.params import GenerationParams
 from engine.prompts import load_tokenizer
 from tests.e2e.conftest import APP_TIMEOUT_S, ServedApp, ServeProxy, on_host
 from tests.e2e.metrics import metric_sum, scrape, wait_metric, wait_metric_at_least
+from tests.procs import children_named
 
 pytestmark = pytest.mark.engine
 
@@ -224,3 +227,71 @@ def _status(redis_server: RedisServer) -> subprocess.CompletedProcess[str]:
         if "WARNING" in done.stdout or time.monotonic() > deadline:
             return done
         time.sleep(1)
+
+
+def _replica_actor(worker_id: str) -> Any:
+    """The Serve replica actor of the decode replica `worker_id` names."""
+    import ray
+
+    from prefill_workers.replica import unique_id_of
+
+    name = f"SERVE_REPLICA::{APP}#Decode#{unique_id_of(worker_id)}"
+    return ray.get_actor(name, namespace="serve")
+
+
+def _engine_core_of(worker_id: str) -> int:
+    """The PID of the EngineCore process under the decode replica `worker_id` names: the
+    replica actor's own child, which vLLM titles VLLM::EngineCore."""
+    import os
+
+    import ray
+
+    actor = _replica_actor(worker_id)
+    replica_pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+    (engine_core,) = children_named(replica_pid, "EngineCore")
+    return int(engine_core)
+
+
+def test_a_stream_whose_decode_engine_dies_goes_on_elsewhere_token_for_token(
+    route_app: ServedApp,
+) -> None:
+    """Runs last: it kills an engine (Serve replaces its replica meanwhile). The EngineCore
+    under the decode replica serving a stream is killed mid-stream; the client's one stream
+    goes on from the other decode replica with the uninterrupted run's tokens, counted ok and
+    as a migration; the dead replica reports itself unhealthy and gets no further request."""
+    import os
+    import signal
+
+    import ray
+
+    prompt = f"A stream that outlives its decode engine {uuid.uuid4().hex}. " * 3
+    options: dict[str, Any] = {"max_tokens": 1500, "ignore_eos": True}  # greedy
+    ok_before = metric_sum(scrape(), "pdserve_requests_total", app=APP, outcome="ok")
+    with route_app.client() as client:
+        reference = collect(client.generate(prompt, **options))
+        tokens: list[int] = []
+        killed, last, gaps = "", None, []
+        at = time.monotonic()
+        for response in client.generate(prompt, **options):
+            tokens.extend(response.token_ids)
+            last = response
+            gaps.append(time.monotonic() - at)
+            at = time.monotonic()
+            if not killed and len(tokens) >= 32 and response.timings.decode_replica:
+                killed = response.timings.decode_replica
+                os.kill(_engine_core_of(killed), signal.SIGKILL)
+        assert killed, "the stream ended before an engine was killed"
+        assert last is not None and last.finish_reason == "length"
+        assert last.usage.completion_tokens == 1500
+        assert tokens == list(reference.token_ids)
+        assert last.timings.decode_replica not in ("", killed)
+        print(f"\nlongest pause in the moved stream: {max(gaps[32:]):.2f} s")
+        # The dead engine's replica says so in its routing stats (asked as Serve asks them).
+        stats = ray.get(_replica_actor(killed).record_routing_stats.remote(), timeout=30)
+        assert stats["is_healthy"] is False, stats
+        after = [collect(client.generate(f"after {i}", max_tokens=4)) for i in range(6)]
+    assert all(done.timings.decode_replica != killed for done in after)
+    ok = wait_metric("pdserve_requests_total", ok_before + 8, app=APP, outcome="ok")
+    assert ok == ok_before + 8
+    assert metric_sum(scrape(), "pdserve_requests_total", app=APP, outcome="error") == 0
+    assert wait_metric_at_least("pdserve_migrations_total", 1, app=APP) >= 1

@@ -106,6 +106,13 @@ def test_replica_load_round_trip() -> None:
     load = make_load(pool="decode", kv_usage=1.0, num_free_blocks=0, updated_at=12)
     assert decode_replica_load(encode_replica_load(load)) == load
     assert decode_replica_load(encode_replica_load(load).encode()) == load
+    dead = make_load(pool="decode", is_healthy=False)
+    assert decode_replica_load(encode_replica_load(dead)).is_healthy is False
+    older = json.loads(encode_replica_load(dead))
+    del older["is_healthy"]  # written before the field existed
+    assert decode_replica_load(json.dumps(older)).is_healthy is True
+    with pytest.raises(ValueError, match="is_healthy"):
+        decode_replica_load(json.dumps(older | {"is_healthy": "no"}))
 
 
 def test_only_the_scaled_pools_publish_a_status() -> None:

@@ -130,7 +130,11 @@ async def test_a_decode_failure_moves_the_stream_with_no_token_repeated_or_lost(
 ) -> None:
     prefill = FakePrefill()
     decode = FakeDecode("orld", release_is_idempotent=idempotent, error_at=1, fail_times=1)
-    events = await collect(generate_disaggregated(prefill, decode, make_request(max_tokens=5)))
+    failures: list[tuple[str | None, bool]] = []
+    stream = generate_disaggregated(
+        prefill, decode, make_request(max_tokens=5), on_failure=lambda *f: failures.append(f)
+    )
+    events = await collect(stream)
     assert tokens(events) == ids("World")
     assert [e.is_first for e in events].count(True) == 1 and events[0].is_first
     assert [e.is_decode_start for e in events].count(True) == 1
@@ -142,6 +146,7 @@ async def test_a_decode_failure_moves_the_stream_with_no_token_repeated_or_lost(
     assert decode.requests[1] == moved
     # Both pools are told which replica failed the request.
     assert prefill.avoided == decode.avoided == [frozenset(), frozenset({"decode-0"})]
+    assert failures == [("decode-0", True)]
     first_handoff, moved_handoff = prefill.handoffs
     assert decode.decoded == [first_handoff, moved_handoff]
     assert decode.released == ([first_handoff] if idempotent else [])
@@ -161,8 +166,12 @@ async def test_past_its_migrations_a_failing_stream_is_interrupted_naming_what_i
     prefill = FakePrefill(then="orld and more")
     decode = FakeDecode("orld and more", error_at=1)  # fails on every replica
     received: list[TokenEvent] = []
+    failures: list[tuple[str | None, bool]] = []
+    stream = generate_disaggregated(
+        prefill, decode, make_request(max_tokens=14), on_failure=lambda *f: failures.append(f)
+    )
     with pytest.raises(StreamInterrupted, match="after 6 tokens were delivered") as raised:
-        async for event in generate_disaggregated(prefill, decode, make_request(max_tokens=14)):
+        async for event in stream:
             received.append(event)
     assert tokens(received) == ids("World ")
     assert (raised.value.num_delivered, raised.value.num_attempts) == (6, 3)
@@ -172,6 +181,7 @@ async def test_past_its_migrations_a_failing_stream_is_interrupted_naming_what_i
         frozenset({"decode-0"}),
         frozenset({"decode-0", "decode-1"}),
     ]
+    assert failures == [("decode-0", True), ("decode-1", True), ("decode-2", False)]
 
 
 async def test_no_migrations_allowed_means_the_first_failure_interrupts() -> None:
