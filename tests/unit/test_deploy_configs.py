@@ -82,6 +82,23 @@ def test_cluster_launcher_yaml_passes_rays_schema() -> None:
     assert "serve deploy deploy/configs/gpu-cluster.yaml" in deploy_cmd
 
 
+def test_cluster_launcher_runs_every_ray_process_with_token_auth_and_no_open_dashboard() -> None:
+    """Every `ray start` (head and workers) and `serve deploy` carries token auth with the
+    mounted token (a node without it cannot join), and the dashboard stays on loopback."""
+    config = yaml.safe_load((DEPLOY / "cluster" / "ray-cluster.yaml").read_text())
+    token = "~/.pdserve-ray-token"
+    assert config["file_mounts"][token] == "~/.pdserve/ray-token"
+    commands = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+    ray_commands = [c for c in commands if "ray start" in c or "serve deploy" in c]
+    assert len(ray_commands) == 3
+    for command in ray_commands:
+        assert "RAY_AUTH_MODE=token" in command, command
+        assert "RAY_AUTH_TOKEN_PATH=$HOME/.pdserve-ray-token" in command, command
+    head = next(c for c in commands if "ray start --head" in c)
+    assert "--dashboard-host=127.0.0.1" in head
+    assert all("0.0.0.0" not in c for c in ray_commands)
+
+
 def test_colocated_builds_one_engine_pool() -> None:
     config = AppConfig(topology="colocated")
     assert list(config.pools) == ["engine"]
