@@ -6,7 +6,8 @@ policy's choice comes first and the rest follow as fallbacks (a replica at its
 `max_ongoing_requests` refuses and the next rank is tried).
 
 Prefill: prefix affinity through the prefix index (Redis when the app has a control plane, so
-every router replica shares it; in-memory otherwise), then least pending prefill tokens.
+every router replica shares it, each lookup bounded to 50 ms behind a circuit breaker; this
+router's own records otherwise), then least pending prefill tokens.
 Decode: most free KV blocks among replicas that fit the request, then fewest running.
 Both skip a replica whose engine died (its load says `is_healthy: false`) and those a moved
 request already failed on (the call's `avoid` keyword, router/lifecycle.py).
@@ -26,6 +27,7 @@ from control.store import ControlStore
 from engine.messages import GenerationRequest, ReplicaLoad
 from kv_transfer.blocks import num_blocks_for
 from prefill_workers.replica import unique_id_of
+from router.breaker import CircuitBreaker
 from router.policy import (
     DecodeReplicaState,
     PrefillReplicaState,
@@ -97,6 +99,65 @@ class _FixedMatch:
         raise NotImplementedError
 
 
+# The prefix index in Redis is advisory: a lookup waits this long at most, and a record this long.
+LOOKUP_TIMEOUT_S = 0.05
+RECORD_TIMEOUT_S = 1.0
+
+
+class SharedPrefixIndex:
+    """The prefix index in Redis as routing uses it, never slow: each lookup is bounded to
+    `timeout_s` (50 ms), and after failures in a row a circuit breaker skips Redis for a while
+    (one trial call then decides). Records are fire-and-forget, bounded too, and skipped while
+    the breaker is open. `owners` answers None when Redis cannot: route on what this router
+    knows (its own records) instead."""
+
+    def __init__(
+        self,
+        store: ControlStore,
+        timeout_s: float = LOOKUP_TIMEOUT_S,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
+        self._store = store
+        self._timeout_s = timeout_s
+        self.breaker = breaker or CircuitBreaker()
+        self._pending: set[asyncio.Future[Any]] = set()
+
+    async def owners(self, hashes: Sequence[BlockHash]) -> list[str | None] | None:
+        if not self.breaker.allow():
+            return None
+        try:
+            owners = await asyncio.wait_for(self._store.prefix_owners(hashes), self._timeout_s)
+        except Exception as exc:  # a timeout, a refused connection, a restart in progress
+            was_open = self.breaker.is_open
+            self.breaker.failed()
+            if self.breaker.is_open and not was_open:
+                logger.warning(
+                    "prefix index lookups in Redis failing (%s: %s); routing on this router's "
+                    "own records until a trial lookup succeeds",
+                    type(exc).__name__,
+                    exc,
+                )
+            return None
+        if self.breaker.is_open:
+            logger.warning("prefix index lookups in Redis work again")
+        self.breaker.succeeded()
+        return owners
+
+    def record(self, hashes: Sequence[BlockHash], replica: str, ttl_s: float) -> None:
+        if self.breaker.is_open:
+            return
+        task = asyncio.ensure_future(
+            asyncio.wait_for(self._store.record_prefix(hashes, replica, ttl_s), RECORD_TIMEOUT_S)
+        )
+        self._pending.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._recorded)
+
+    def _recorded(self, task: asyncio.Future[Any]) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("recording prefix blocks in Redis failed: %s", task.exception())
+
+
 class PrefillRequestRouter(RequestRouter):
     """Routes prefill (and colocated) calls: prefix affinity, then least pending tokens."""
 
@@ -122,7 +183,8 @@ class PrefillRequestRouter(RequestRouter):
                     "(set it in the environment of `ray start` on every node)",
                     redis_url_env,
                 )
-        self._store = ControlStore.from_url(redis_url, app_name) if redis_url else None
+        store = ControlStore.from_url(redis_url, app_name) if redis_url else None
+        self._shared = SharedPrefixIndex(store) if store is not None else None
 
     async def choose_replicas(
         self,
@@ -149,22 +211,15 @@ class PrefillRequestRouter(RequestRouter):
         return _ranked(candidate_replicas, choice.replica_id)
 
     async def _lookup(self, hashes: Sequence[BlockHash], eligible: Collection[str]) -> Any:
-        if self._store is None or not hashes:
+        owners = await self._shared.owners(hashes) if self._shared and hashes else None
+        if owners is None:  # no control plane, or it cannot answer now: this router's records
             return self._local_index
-        try:
-            owners = await self._store.prefix_owners(hashes)
-            return _FixedMatch(match_owners(owners, set(eligible)))
-        except Exception as exc:  # the control plane is advisory for routing
-            logger.warning("prefix index lookup failed, routing by load only: %s", exc)
-            return self._local_index
+        return _FixedMatch(match_owners(owners, set(eligible)))
 
     async def _record(self, hashes: Sequence[BlockHash], replica: str) -> None:
         self._local_index.record(hashes, replica)
-        if self._store is not None:
-            task = asyncio.ensure_future(
-                self._store.record_prefix(hashes, replica, self._prefix_ttl_s)
-            )
-            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        if self._shared is not None:
+            self._shared.record(hashes, replica, self._prefix_ttl_s)
 
 
 class DecodeRequestRouter(RequestRouter):

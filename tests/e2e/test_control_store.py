@@ -4,6 +4,7 @@ redis-server, against a real redis-server process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pickle
 import time
@@ -345,3 +346,51 @@ async def test_a_dead_routers_key_slots_expire_and_a_live_ones_are_refreshed(
     await live.release("dead", "d2")
     assert await control_store.key_slots_in_flight("live") == 0
     await live.close()
+
+
+async def test_routing_lookups_stay_fast_while_redis_is_silent_or_gone(tmp_path: Path) -> None:
+    """The prefill router's prefix index in Redis (router/replica_router.py): while the server
+    is frozen (SIGSTOP: a partition's silence) each lookup gives up at its 50 ms bound, and after
+    three in a row the breaker skips Redis; once the server answers again a trial lookup finds
+    the records it kept. A stopped server is skipped the same way."""
+    import signal
+
+    from router.breaker import CircuitBreaker
+    from router.replica_router import SharedPrefixIndex
+
+    server = start_redis_server(tmp_path)
+    store = ControlStore.from_url(server.url, "demo")
+    index = SharedPrefixIndex(store, breaker=CircuitBreaker(threshold=3, open_s=0.5))
+    hashes = block_hashes(list(range(96)), 32)
+
+    async def timed_owners() -> tuple[list[str | None] | None, float]:
+        started = time.perf_counter()
+        owners = await index.owners(hashes)
+        return owners, time.perf_counter() - started
+
+    try:
+        index.record(hashes, "prefill-a", 60.0)
+        deadline = time.monotonic() + 5
+        while (await index.owners(hashes)) != ["prefill-a"] * 3:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        os.kill(server.pid, signal.SIGSTOP)
+        tries = [await timed_owners() for _ in range(5)]
+        assert [owners for owners, _ in tries] == [None] * 5
+        assert all(0.04 <= seconds < 0.5 for _, seconds in tries[:3]), tries
+        assert index.breaker.is_open
+        assert all(seconds < 0.005 for _, seconds in tries[3:]), tries  # Redis not asked
+        os.kill(server.pid, signal.SIGCONT)
+        await asyncio.sleep(0.6)  # the breaker's open time
+        assert await index.owners(hashes) == ["prefill-a"] * 3
+        assert not index.breaker.is_open
+        server.stop()
+        gone = [await timed_owners() for _ in range(4)]
+        assert [owners for owners, _ in gone] == [None] * 4
+        assert all(seconds < 0.5 for _, seconds in gone), gone
+        assert index.breaker.is_open
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.pid, signal.SIGCONT)
+        server.stop()
+        await store.close()
