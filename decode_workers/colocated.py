@@ -74,7 +74,10 @@ class ColocatedServer(ReplicaShell):
     def num_pending_prefill_tokens(self) -> int:
         return self._pending_tokens
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, request: GenerationRequest, avoid: tuple[str, ...] = ()
+    ) -> AsyncIterator[TokenEvent]:
+        """`avoid` is for the request router (replicas that failed this request)."""
         self._pending_tokens += request.num_prompt_tokens
         prefilled = False
         try:

@@ -125,7 +125,9 @@ class Router:
         self.metrics = RouterMetrics(settings.app)
         engines: EngineStream
         if settings.colocated:
-            engines = ColocatedEngines(handles[0])
+            engines = ColocatedEngines(
+                handles[0], settings.max_migrations, on_move=self.metrics.count_migration
+            )
         else:
             engines = DisaggregatedEngines(
                 handles[0],

@@ -63,6 +63,12 @@ class DecodePort(Protocol):
     async def release(self, handoff: KVHandoff) -> None: ...
 
 
+class ColocatedPort(Protocol):
+    def generate(
+        self, request: GenerationRequest, avoid: frozenset[str] = NO_REPLICAS
+    ) -> AsyncIterator[TokenEvent]: ...
+
+
 class StreamInterrupted(RuntimeError):
     """The engines failed under a request more often than it may move (gRPC UNAVAILABLE, HTTP
     503, or an error event on a stream already started)."""
@@ -96,27 +102,66 @@ def continuation(
     )
 
 
-async def generate_disaggregated(
+def generate_disaggregated(
     prefill: PrefillPort,
     decode: DecodePort,
     request: GenerationRequest,
     max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     on_failure: FailureHook | None = None,
-) -> AsyncIterator[TokenEvent]:
-    """`on_failure(replica, moved)`: an attempt failed on `replica` (None: not known); `moved`
-    says whether the request goes on elsewhere."""
+) -> AsyncGenerator[TokenEvent]:
+    """Prefill, then decode, moved to other replicas when one fails (see the module's doc).
+    The stream itself, not a wrapper: closing it closes the attempt under it at once."""
+
+    def attempt(request: GenerationRequest, avoid: frozenset[str], at: _Holder) -> Attempt:
+        return _one_attempt(prefill, decode, request, avoid, at)
+
+    return migrating(attempt, request, max_migrations, on_failure)
+
+
+def generate_colocated(
+    engines: ColocatedPort,
+    request: GenerationRequest,
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+    on_failure: FailureHook | None = None,
+) -> AsyncGenerator[TokenEvent]:
+    """One engine for both phases, moved to another engine replica when it fails."""
+
+    async def attempt(
+        request: GenerationRequest, avoid: frozenset[str], at: _Holder
+    ) -> AsyncGenerator[TokenEvent]:
+        async with contextlib.aclosing(engines.generate(request, avoid)) as events:  # type: ignore[type-var]
+            async for event in events:
+                if event.replica_id:
+                    at.replica = event.replica_id
+                yield event
+
+    return migrating(attempt, request, max_migrations, on_failure)
+
+
+Attempt = AsyncGenerator[TokenEvent]
+
+
+async def migrating(
+    attempt: Callable[[GenerationRequest, frozenset[str], _Holder], Attempt],
+    request: GenerationRequest,
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+    on_failure: FailureHook | None = None,
+) -> AsyncGenerator[TokenEvent]:
+    """The events of `attempt(request, avoid, at)`, and when an attempt fails, of a new one
+    for the rest of the answer (`continuation`), avoiding the replicas that failed it; `at`
+    follows the replica that holds the request. `on_failure(replica, moved)`: an attempt failed
+    on `replica` (None: not known); `moved` says whether the request goes on elsewhere."""
     request = request.with_pinned_seed()
     delivered: list[int] = []
     failed_on: set[str] = set()
-    attempt = 0
+    number = 0
     while True:
-        current = continuation(request, delivered, attempt) if attempt else request
+        current = continuation(request, delivered, number) if number else request
         resumed = bool(delivered)  # the caller's stream already had its first token
         at = _Holder()
         try:
-            attempt_events = _one_attempt(prefill, decode, current, frozenset(failed_on), at)
             # Closed with this stream (client gone): its finally gives back what it holds.
-            async with contextlib.aclosing(attempt_events) as events:
+            async with contextlib.aclosing(attempt(current, frozenset(failed_on), at)) as events:
                 async for event in events:
                     if resumed and (event.is_first or event.is_decode_start):
                         if event.is_decode_start:
@@ -128,14 +173,14 @@ async def generate_disaggregated(
         except Exception as exc:
             if not is_retryable(exc):
                 raise
-            moved = attempt < max_migrations
+            moved = number < max_migrations
             if on_failure is not None:
                 on_failure(at.replica, moved)
             if not moved:
-                raise StreamInterrupted(request.request_id, len(delivered), attempt + 1) from exc
+                raise StreamInterrupted(request.request_id, len(delivered), number + 1) from exc
             if at.replica is not None:
                 failed_on.add(at.replica)
-            attempt += 1
+            number += 1
             logger.warning(
                 "request %s failed on %s after %d tokens (%s: %s); moving it (attempt %d of %d)",
                 request.request_id,
@@ -143,7 +188,7 @@ async def generate_disaggregated(
                 len(delivered),
                 type(exc).__name__,
                 exc,
-                attempt + 1,
+                number + 1,
                 max_migrations + 1,
             )
 

@@ -6,12 +6,18 @@ cancelled explicitly, so the replica's engine aborts the request and frees its K
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from engine.messages import GenerationRequest, KVHandoff, PrefillResult, TokenEvent
-from router.lifecycle import DEFAULT_MAX_MIGRATIONS, NO_REPLICAS, generate_disaggregated
+from router.lifecycle import (
+    DEFAULT_MAX_MIGRATIONS,
+    NO_REPLICAS,
+    generate_colocated,
+    generate_disaggregated,
+)
 
 
 class RecentFailures:
@@ -40,7 +46,7 @@ def _avoiding(avoid: frozenset[str]) -> dict[str, Any]:
     return {"avoid": tuple(sorted(avoid))} if avoid else {}
 
 
-async def _stream_call(response: Any) -> AsyncIterator[Any]:
+async def _stream_call(response: Any) -> AsyncGenerator[Any]:
     finished = False
     try:
         async for item in response:
@@ -86,11 +92,28 @@ class DecodePool:
     ) -> AsyncIterator[TokenEvent]:
         avoid = avoid | self._failures.recent()
         call = self._handle.options(stream=True).decode
-        async for chunk in _stream_call(call.remote(request, handoff, **_avoiding(avoid))):
-            yield chunk
+        stream = _stream_call(call.remote(request, handoff, **_avoiding(avoid)))
+        async with contextlib.aclosing(stream) as chunks:  # closed with us: cancels the call
+            async for chunk in chunks:
+                yield chunk
 
     async def release(self, handoff: KVHandoff) -> None:
         await self._handle.release.remote(handoff)
+
+
+class _Moves:
+    """What both topologies do when a request fails on a replica: remember the replica (this
+    process avoids it for a while) and count the move."""
+
+    def __init__(self, on_move: Callable[[], None] | None) -> None:
+        self.failures = RecentFailures()
+        self._on_move = on_move
+
+    def failed(self, replica: str | None, moved: bool) -> None:
+        if replica is not None:
+            self.failures.mark(replica)
+        if moved and self._on_move is not None:
+            self._on_move()
 
 
 class DisaggregatedEngines:
@@ -105,31 +128,48 @@ class DisaggregatedEngines:
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         on_move: Callable[[], None] | None = None,
     ) -> None:
-        self.failures = RecentFailures()
-        self._prefill = PrefillPool(prefill_handle, self.failures)
-        self._decode = DecodePool(decode_handle, release_is_idempotent, self.failures)
+        self._moves = _Moves(on_move)
+        self._prefill = PrefillPool(prefill_handle, self._moves.failures)
+        self._decode = DecodePool(decode_handle, release_is_idempotent, self._moves.failures)
         self._max_migrations = max_migrations
-        self._on_move = on_move
 
-    def _failed(self, replica: str | None, moved: bool) -> None:
-        if replica is not None:
-            self.failures.mark(replica)
-        if moved and self._on_move is not None:
-            self._on_move()
+    def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        return generate_disaggregated(
+            self._prefill, self._decode, request, self._max_migrations, self._moves.failed
+        )
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        async for event in generate_disaggregated(
-            self._prefill, self._decode, request, self._max_migrations, self._failed
-        ):
-            yield event
+
+class ColocatedPool:
+    """The colocated engine pool behind its Serve handle, as the lifecycle's port."""
+
+    def __init__(self, handle: Any, failures: RecentFailures | None = None) -> None:
+        self._handle = handle
+        self._failures = failures or RecentFailures()
+
+    async def generate(
+        self, request: GenerationRequest, avoid: frozenset[str] = NO_REPLICAS
+    ) -> AsyncIterator[TokenEvent]:
+        avoid = avoid | self._failures.recent()
+        call = self._handle.options(stream=True).generate
+        stream = _stream_call(call.remote(request, **_avoiding(avoid)))
+        async with contextlib.aclosing(stream) as events:  # closed with us: cancels the call
+            async for event in events:
+                yield event
 
 
 class ColocatedEngines:
-    """One engine pool serving both phases (the `colocated` topology)."""
+    """One engine pool serving both phases (the `colocated` topology); a request that fails on
+    a replica moves to another, as in the disaggregated topology."""
 
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
+    def __init__(
+        self,
+        handle: Any,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+        on_move: Callable[[], None] | None = None,
+    ) -> None:
+        self._moves = _Moves(on_move)
+        self._pool = ColocatedPool(handle, self._moves.failures)
+        self._max_migrations = max_migrations
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        async for event in _stream_call(self._handle.options(stream=True).generate.remote(request)):
-            yield event
+    def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        return generate_colocated(self._pool, request, self._max_migrations, self._moves.failed)

@@ -202,3 +202,37 @@ class FakeEngines:
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         return generate_disaggregated(self.prefill, self.decode, request)
+
+
+class FakeColocated:
+    """The colocated pool: streams `text` one token per event, the first flagged as the first
+    token and naming the replica "engine-<call index>", the last with finish reason "length".
+    `error_at`: raises a RuntimeError (the engine died) instead of the token of that index, in
+    the first `fail_times` calls (None: in all). A moved request gets the rest of `text`."""
+
+    def __init__(self, text: str = "World", *, error_at: int | None = None,
+                 fail_times: int | None = None) -> None:  # fmt: skip
+        self.text = text
+        self.error_at = error_at
+        self.fail_times = fail_times
+        self.requests: list[GenerationRequest] = []
+        self.avoided: list[frozenset[str]] = []
+
+    async def generate(
+        self, request: GenerationRequest, avoid: frozenset[str] = frozenset()
+    ) -> AsyncIterator[TokenEvent]:
+        self.requests.append(request)
+        self.avoided.append(avoid)
+        call = len(self.requests) - 1
+        fails = self.fail_times is None or call < self.fail_times
+        text = self.text[_num_delivered(self.requests, request) :]
+        for index, char in enumerate(text):
+            if index == self.error_at and fails:
+                raise RuntimeError(f"the engine under {request.request_id} died")
+            last = index == len(text) - 1
+            yield TokenEvent(
+                (ord(char),),
+                "length" if last else None,
+                is_first=index == 0,
+                replica_id=f"engine-{call}" if index == 0 else "",
+            )

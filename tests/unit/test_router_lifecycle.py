@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engine.messages import KVTransferError, TokenEvent
-from router.lifecycle import StreamInterrupted, generate_disaggregated
-from tests.fakes import FakeDecode, FakePrefill, ids, make_request
+from router.lifecycle import StreamInterrupted, generate_colocated, generate_disaggregated
+from tests.fakes import FakeColocated, FakeDecode, FakePrefill, ids, make_request
 
 
 async def collect(events: AsyncIterator[TokenEvent]) -> list[TokenEvent]:
@@ -213,3 +213,27 @@ async def test_a_finished_decode_is_never_released_again() -> None:
     prefill, decode = FakePrefill(), FakeDecode(release_is_idempotent=True)
     await collect(generate_disaggregated(prefill, decode, make_request()))
     assert decode.decoded == prefill.handoffs and decode.released == []
+
+
+async def test_a_colocated_stream_moves_to_another_engine_too() -> None:
+    engines = FakeColocated("World", error_at=2, fail_times=1)
+    failures: list[tuple[str | None, bool]] = []
+    stream = generate_colocated(
+        engines, make_request(max_tokens=5), on_failure=lambda *f: failures.append(f)
+    )
+    events = await collect(stream)
+    assert tokens(events) == ids("World")
+    assert [e.is_first for e in events] == [True, False, False, False, False]
+    assert events[-1].finish_reason == "length"
+    moved = engines.requests[1]
+    assert moved.prompt_token_ids == ids("hello") + ids("Wo")
+    assert (moved.request_id, moved.params.max_tokens) == ("req-1~1", 3)
+    assert engines.avoided == [frozenset(), frozenset({"engine-0"})]
+    assert failures == [("engine-0", True)]
+
+
+async def test_a_colocated_stream_failing_everywhere_is_interrupted() -> None:
+    engines = FakeColocated("World", error_at=1)
+    with pytest.raises(StreamInterrupted, match="after 3 tokens were delivered"):
+        await collect(generate_colocated(engines, make_request(max_tokens=5)))
+    assert len(engines.requests) == 3
