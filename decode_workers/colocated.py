@@ -81,11 +81,12 @@ class ColocatedServer(ReplicaShell):
         self._pending_tokens += request.num_prompt_tokens
         prefilled = False
         try:
-            async for event in self._engine.generate(request):
-                if event.is_first:
-                    prefilled = True
-                    self._pending_tokens -= request.num_prompt_tokens
-                yield event
+            with self.failures_named():
+                async for event in self._engine.generate(request):
+                    if event.is_first:
+                        prefilled = True
+                        self._pending_tokens -= request.num_prompt_tokens
+                    yield event
         finally:
             if not prefilled:
                 self._pending_tokens -= request.num_prompt_tokens

@@ -36,12 +36,13 @@ class DecodeServer(ReplicaShell):
         # TPOT of this request on this replica: from its first decoded token to its last.
         first_at = last_at = 0.0
         num_tokens = 0
-        async for event in self._worker.decode(request, handoff):
-            if event.token_ids:
-                last_at = time.perf_counter()
-                first_at = first_at or last_at
-                num_tokens += len(event.token_ids)
-            yield event
+        with self.failures_named():
+            async for event in self._worker.decode(request, handoff):
+                if event.token_ids:
+                    last_at = time.perf_counter()
+                    first_at = first_at or last_at
+                    num_tokens += len(event.token_ids)
+                yield event
         if num_tokens > 1:
             self._window.record_tpot((last_at - first_at) / (num_tokens - 1))
 

@@ -34,6 +34,20 @@ class KVTransferError(RuntimeError):
     """A KV transfer failed (lease expired, object missing, checksum mismatch)."""
 
 
+class ReplicaFailure(RuntimeError):
+    """An engine replica failed a request for a reason of its own (its engine died, a transfer
+    broke; not the request's fault, which stays a ValueError). It names the replica, so the
+    router moves the request and avoids that replica, even when the replica failed before its
+    first answer (Ray re-raises it with its attributes)."""
+
+    def __init__(self, replica_id: str, message: str) -> None:
+        super().__init__(replica_id, message)
+        self.replica_id = replica_id
+
+    def __str__(self) -> str:
+        return f"{self.args[0]}: {self.args[1]}"
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One generation request as the pools see it: token ids in, parameters validated."""

@@ -28,7 +28,8 @@ class PrefillServer(ReplicaShell):
         """`avoid` is for the request router (replicas that failed this request)."""
         token = self._window.request_started(request.num_prompt_tokens)
         try:
-            result = await self._worker.prefill(request)
+            with self.failures_named():
+                result = await self._worker.prefill(request)
         except BaseException:  # cancelled too: its tokens must not stay pending
             self._window.request_aborted(token)
             raise

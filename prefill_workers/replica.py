@@ -7,12 +7,14 @@ Here, in the lowest package that holds a deployment; decode_workers/ imports it 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from engine.async_engine import ServedEngine
-from engine.messages import ReplicaLoad
+from engine.messages import ReplicaFailure, ReplicaLoad
 from engine.settings import EngineSpec
 from kv_transfer.base import TransferSettings
 
@@ -87,6 +89,19 @@ class ReplicaShell:
         owner.start()
         self._engine_owner = owner
         self._status = status
+
+    @contextlib.contextmanager
+    def failures_named(self) -> Iterator[None]:
+        """Around a call's work: a ValueError (the request's own fault) leaves as it is, any
+        other failure as a ReplicaFailure naming this replica (router/lifecycle.py moves the
+        request and avoids the replica)."""
+        try:
+            yield
+        except (ValueError, ReplicaFailure):
+            raise
+        except Exception as exc:
+            worker_id = self._engine_owner.worker_id
+            raise ReplicaFailure(worker_id, f"{type(exc).__name__}: {exc}") from exc
 
     def on_stats_tick(self) -> None:
         """Hook run on each routing-stats period (decode exports its KV transfer metrics)."""

@@ -173,6 +173,9 @@ async def migrating(
         except Exception as exc:
             if not is_retryable(exc):
                 raise
+            # The replica that failed: the one last heard from, or the one the error names
+            # (a replica that failed before its first answer: ReplicaFailure).
+            at.replica = at.replica or getattr(exc, "replica_id", None)
             moved = number < max_migrations
             if on_failure is not None:
                 on_failure(at.replica, moved)

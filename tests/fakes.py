@@ -18,6 +18,7 @@ from engine.messages import (
     KVTransferError,
     PrefillResult,
     RayPull,
+    ReplicaFailure,
     TokenEvent,
 )
 from engine.params import GenerationParams
@@ -135,8 +136,9 @@ class FakeDecode:
 
     `gate_at`: waits for `gate` before the token of that index. `error_at`: raises a
     KVTransferError instead of the token of that index (in the first `fail_times` calls; None:
-    in all). A moved request (its prompt plus the tokens delivered) gets the rest of `text`.
-    Each call's first event names the replica "decode-<call index>".
+    in all; `names_replica`: a ReplicaFailure naming the replica, as a served replica raises).
+    A moved request (its prompt plus the tokens delivered) gets the rest of `text`. Each
+    call's first event names the replica "decode-<call index>".
     """
 
     def __init__(
@@ -149,9 +151,11 @@ class FakeDecode:
         gate_at: int = 0,
         error_at: int | None = None,
         fail_times: int | None = None,
+        names_replica: bool = False,
     ) -> None:
         self.text = text
         self.fail_times = fail_times
+        self.names_replica = names_replica
         self.finish_reason = finish_reason
         self._release_is_idempotent = release_is_idempotent
         self.gate = gate
@@ -181,6 +185,8 @@ class FakeDecode:
                 self.waiting.set()
                 await self.gate.wait()
             if index == self.error_at and fails:
+                if self.names_replica:  # as a served replica does (ReplicaShell)
+                    raise ReplicaFailure(f"decode-{call}", "EngineDeadError: the engine died")
                 raise KVTransferError(f"decode of {request.request_id} lost its KV")
             last = index == len(text) - 1
             yield TokenEvent(

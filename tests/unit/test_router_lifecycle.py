@@ -237,3 +237,17 @@ async def test_a_colocated_stream_failing_everywhere_is_interrupted() -> None:
     with pytest.raises(StreamInterrupted, match="after 3 tokens were delivered"):
         await collect(generate_colocated(engines, make_request(max_tokens=5)))
     assert len(engines.requests) == 3
+
+
+async def test_a_replica_failing_before_its_first_token_is_avoided_by_the_name_it_gives() -> None:
+    """A decode replica whose engine died fails before it answers: the lifecycle has not heard
+    from it, so the ReplicaFailure it raises names it."""
+    prefill = FakePrefill()
+    decode = FakeDecode("orld", error_at=0, fail_times=1, names_replica=True)
+    failures: list[tuple[str | None, bool]] = []
+    stream = generate_disaggregated(
+        prefill, decode, make_request(max_tokens=5), on_failure=lambda *f: failures.append(f)
+    )
+    assert tokens(await collect(stream)) == ids("World")
+    assert decode.avoided == [frozenset(), frozenset({"decode-0"})]
+    assert failures == [("decode-0", True)]
