@@ -270,25 +270,28 @@ def test_a_stream_whose_decode_engine_dies_goes_on_elsewhere_token_for_token(
     with route_app.client() as client:
         reference = collect(client.generate(prompt, **options))
         tokens: list[int] = []
-        killed, last, gaps = "", None, []
+        killed, last, gaps, stats = "", None, [], None
         at = time.monotonic()
         for response in client.generate(prompt, **options):
             tokens.extend(response.token_ids)
             last = response
             gaps.append(time.monotonic() - at)
             at = time.monotonic()
-            if not killed and len(tokens) >= 32 and response.timings.decode_replica:
-                killed = response.timings.decode_replica
+            serving = response.timings.decode_replica
+            if not killed and len(tokens) >= 32 and serving:
+                killed = serving
                 os.kill(_engine_core_of(killed), signal.SIGKILL)
+            elif killed and stats is None and serving not in ("", killed):
+                # Moved: the dead engine's replica says so in its routing stats (asked as
+                # Serve asks them), while it lives (Serve stops it after 3 failed checks).
+                stats = ray.get(_replica_actor(killed).record_routing_stats.remote(), timeout=30)
         assert killed, "the stream ended before an engine was killed"
         assert last is not None and last.finish_reason == "length"
         assert last.usage.completion_tokens == 1500
         assert tokens == list(reference.token_ids)
         assert last.timings.decode_replica not in ("", killed)
         print(f"\nlongest pause in the moved stream: {max(gaps[32:]):.2f} s")
-        # The dead engine's replica says so in its routing stats (asked as Serve asks them).
-        stats = ray.get(_replica_actor(killed).record_routing_stats.remote(), timeout=30)
-        assert stats["is_healthy"] is False, stats
+        assert stats is not None and stats["is_healthy"] is False, stats
         after = [collect(client.generate(f"after {i}", max_tokens=4)) for i in range(6)]
     assert all(done.timings.decode_replica != killed for done in after)
     ok = wait_metric("pdserve_requests_total", ok_before + 8, app=APP, outcome="ok")
