@@ -57,16 +57,32 @@ async def _stream_call(response: Any) -> AsyncGenerator[Any]:
             response.cancel()
 
 
-class PrefillPool:
+class _Pool:
+    """A pool behind its Serve handle. Every call carries, as `avoid`, the replicas the request
+    failed on and those that failed any request of this router lately (`failures`)."""
+
     def __init__(self, handle: Any, failures: RecentFailures | None = None) -> None:
         self._handle = handle
         self._failures = failures or RecentFailures()
 
+    def _avoid(self, avoid: frozenset[str]) -> dict[str, Any]:
+        return _avoiding(avoid | self._failures.recent())
+
+    async def _stream(
+        self, method: str, *args: Any, avoid: frozenset[str]
+    ) -> AsyncGenerator[TokenEvent]:
+        call = getattr(self._handle.options(stream=True), method)
+        stream = _stream_call(call.remote(*args, **self._avoid(avoid)))
+        async with contextlib.aclosing(stream) as events:  # closed with us: cancels the call
+            async for event in events:
+                yield event
+
+
+class PrefillPool(_Pool):
     async def prefill(
         self, request: GenerationRequest, avoid: frozenset[str] = NO_REPLICAS
     ) -> PrefillResult:
-        avoid = avoid | self._failures.recent()
-        result: PrefillResult = await self._handle.prefill.remote(request, **_avoiding(avoid))
+        result: PrefillResult = await self._handle.prefill.remote(request, **self._avoid(avoid))
         return result
 
     async def abort(self, request_id: str) -> None:
@@ -75,27 +91,21 @@ class PrefillPool:
         return None
 
 
-class DecodePool:
+class DecodePool(_Pool):
     def __init__(
         self, handle: Any, release_is_idempotent: bool, failures: RecentFailures | None = None
     ) -> None:
-        self._handle = handle
+        super().__init__(handle, failures)
         self._release_is_idempotent = release_is_idempotent
-        self._failures = failures or RecentFailures()
 
     @property
     def release_is_idempotent(self) -> bool:
         return self._release_is_idempotent
 
-    async def decode(
+    def decode(
         self, request: GenerationRequest, handoff: KVHandoff, avoid: frozenset[str] = NO_REPLICAS
     ) -> AsyncIterator[TokenEvent]:
-        avoid = avoid | self._failures.recent()
-        call = self._handle.options(stream=True).decode
-        stream = _stream_call(call.remote(request, handoff, **_avoiding(avoid)))
-        async with contextlib.aclosing(stream) as chunks:  # closed with us: cancels the call
-            async for chunk in chunks:
-                yield chunk
+        return self._stream("decode", request, handoff, avoid=avoid)
 
     async def release(self, handoff: KVHandoff) -> None:
         await self._handle.release.remote(handoff)
@@ -139,22 +149,13 @@ class DisaggregatedEngines:
         )
 
 
-class ColocatedPool:
+class ColocatedPool(_Pool):
     """The colocated engine pool behind its Serve handle, as the lifecycle's port."""
 
-    def __init__(self, handle: Any, failures: RecentFailures | None = None) -> None:
-        self._handle = handle
-        self._failures = failures or RecentFailures()
-
-    async def generate(
+    def generate(
         self, request: GenerationRequest, avoid: frozenset[str] = NO_REPLICAS
     ) -> AsyncIterator[TokenEvent]:
-        avoid = avoid | self._failures.recent()
-        call = self._handle.options(stream=True).generate
-        stream = _stream_call(call.remote(request, **_avoiding(avoid)))
-        async with contextlib.aclosing(stream) as events:  # closed with us: cancels the call
-            async for event in events:
-                yield event
+        return self._stream("generate", request, avoid=avoid)
 
 
 class ColocatedEngines:

@@ -64,7 +64,16 @@ def _avoided(pending: PendingRequest | None) -> set[str]:
     return {unique_id_of(worker) for worker in pending.kwargs.get("avoid", ())}
 
 
-def _usable(replicas: list[RunningReplica], pending: PendingRequest | None) -> list[RunningReplica]:
+def _loads(replicas: Sequence[RunningReplica]) -> dict[str, ReplicaLoad | None]:
+    """Each replica's last report, read once per routing decision."""
+    return {r.replica_id.unique_id: _load_of(r) for r in replicas}
+
+
+def _usable(
+    replicas: list[RunningReplica],
+    loads: dict[str, ReplicaLoad | None],
+    pending: PendingRequest | None,
+) -> list[RunningReplica]:
     """The replicas worth a call: not reported dead (`ReplicaLoad.is_healthy`: the engine
     died; Serve replaces the replica within its health checks) and not already failed by this
     request. All of them when that leaves none: then the call's own error says why."""
@@ -73,7 +82,7 @@ def _usable(replicas: list[RunningReplica], pending: PendingRequest | None) -> l
         r
         for r in replicas
         if r.replica_id.unique_id not in avoided
-        and ((load := _load_of(r)) is None or load.is_healthy)
+        and ((load := loads[r.replica_id.unique_id]) is None or load.is_healthy)
     ]
     return usable or replicas
 
@@ -192,18 +201,16 @@ class PrefillRequestRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         request = _request_of(pending_request)
-        candidate_replicas = _usable(candidate_replicas, pending_request)
+        loads = _loads(candidate_replicas)
+        candidate_replicas = _usable(candidate_replicas, loads, pending_request)
         if request is None or not candidate_replicas:
             return [candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        loads = {rid: _load_of(r) for rid, r in by_id.items()}
-        states = [
-            PrefillReplicaState(
-                replica_id=rid,
-                num_pending_prefill_tokens=load.num_pending_prefill_tokens if load else 0,
-            )
-            for rid, load in loads.items()
-        ]
+        states = []
+        for rid in by_id:
+            load = loads[rid]
+            pending = load.num_pending_prefill_tokens if load else 0
+            states.append(PrefillReplicaState(replica_id=rid, num_pending_prefill_tokens=pending))
         hashes = block_hashes(request.prompt_token_ids, self._block_size)
         choice = choose_prefill_replica(states, hashes, await self._lookup(hashes, by_id.keys()))
         if choice.replica_id is not None and hashes:
@@ -234,11 +241,12 @@ class DecodeRequestRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         request = _request_of(pending_request)
-        candidate_replicas = _usable(candidate_replicas, pending_request)
+        loads = _loads(candidate_replicas)
+        candidate_replicas = _usable(candidate_replicas, loads, pending_request)
         reported = [
             (r, load)
             for r in candidate_replicas
-            if (load := _load_of(r)) is not None and load.num_total_blocks
+            if (load := loads[r.replica_id.unique_id]) is not None and load.num_total_blocks
         ]
         if request is None or not reported:
             return [candidate_replicas]

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from engine.messages import ReplicaLoad
-from router.replica_router import _usable
+from router.replica_router import _loads, _usable
 
 LOAD = ReplicaLoad("decode-a", "decode", 0, 0, 0, 0.0, 100, 100, 1.0)
 
@@ -24,21 +24,25 @@ def pending(*avoid: str) -> Any:
     return SimpleNamespace(args=[], kwargs={"avoid": avoid} if avoid else {})
 
 
+def usable(replicas: list[Any], pending: Any) -> list[Any]:
+    return _usable(replicas, _loads(replicas), pending)
+
+
 def ids(replicas: list[Any]) -> list[str]:
     return [r.replica_id.unique_id for r in replicas]
 
 
 def test_a_replica_whose_engine_died_is_skipped() -> None:
     replicas = [replica("a", healthy=False), replica("b"), replica("c", healthy=None)]
-    assert ids(_usable(replicas, pending())) == ["b", "c"]
+    assert ids(usable(replicas, pending())) == ["b", "c"]
 
 
 def test_replicas_the_request_failed_on_are_skipped() -> None:
     replicas = [replica("a"), replica("b"), replica("c")]
-    assert ids(_usable(replicas, pending("decode-a", "prefill-c"))) == ["b"]
+    assert ids(usable(replicas, pending("decode-a", "prefill-c"))) == ["b"]
 
 
 def test_when_none_is_left_all_are_tried() -> None:
     replicas = [replica("a", healthy=False), replica("b")]
-    assert ids(_usable(replicas, pending("decode-b"))) == ["a", "b"]
-    assert ids(_usable(replicas, None)) == ["b"]
+    assert ids(usable(replicas, pending("decode-b"))) == ["a", "b"]
+    assert ids(usable(replicas, None)) == ["b"]
