@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.messages import ReplicaLoad
 from engine.settings import EngineSettings
-from engine.stats import EngineStatsRecorder, stat_logger_factory
+from engine.stats import EngineStatsRecorder, engine_stat_loggers
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig
@@ -32,8 +32,7 @@ def start_async_engine(
     os.environ.update(env or {})
     started = time.perf_counter()
     engine = AsyncLLM.from_engine_args(
-        settings.async_engine_args(kv_transfer),
-        stat_loggers=[stat_logger_factory(recorder)] if recorder is not None else None,
+        settings.async_engine_args(kv_transfer), stat_loggers=engine_stat_loggers(recorder)
     )
     return engine, time.perf_counter() - started
 

@@ -3,13 +3,16 @@
 vLLM hands SchedulerStats to its stat loggers in the AsyncLLM process after engine steps;
 `EngineStatsRecorder` keeps the latest queue and KV-cache figures and every KV transfer the
 connector timed (NIXL's telemetry, and the `ray` connector's own), for metrics, autoscaling
-signals and the transfer benchmark.
+signals and the transfer benchmark. `engine_stat_loggers` is what a served engine hands vLLM:
+the recorder's logger, and vLLM's Ray exporter when the recorder has export labels
+(engine/ray_metrics.py).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +59,9 @@ class SchedulerSnapshot:
 class EngineStatsRecorder:
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # The labels of vLLM's own metrics exported through Ray (app, pool); None: the engine
+        # exports none (outside a Serve replica). Set before the engine starts.
+        self.export_labels: Mapping[str, str] | None = None
         self.latest = SchedulerSnapshot()
         self.transfers: deque[TransferSample] = deque(maxlen=MAX_TRANSFERS_KEPT)
         self.num_failed_transfers = 0
@@ -116,3 +122,15 @@ def stat_logger_factory(recorder: EngineStatsRecorder) -> Any:
             pass
 
     return _RecorderLogger
+
+
+def engine_stat_loggers(recorder: EngineStatsRecorder | None) -> list[Any] | None:
+    """The stat logger factories an engine starts with (`AsyncLLM(stat_loggers=...)`)."""
+    if recorder is None:
+        return None
+    loggers: list[Any] = [stat_logger_factory(recorder)]
+    if recorder.export_labels is not None:
+        from engine.ray_metrics import ray_stat_logger
+
+        loggers.append(ray_stat_logger(recorder.export_labels))
+    return loggers

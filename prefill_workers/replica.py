@@ -59,6 +59,17 @@ def serve_replica_id(default: str) -> str:
         return default
 
 
+def serve_metric_labels(pool: str) -> dict[str, str] | None:
+    """The labels of this replica's vLLM metrics beside vLLM's own (`ReplicaId` among them):
+    its app and pool; None outside a Serve replica (engine tests export nothing)."""
+    try:
+        from ray import serve
+
+        return {"app": serve.get_replica_context().app_name, "pool": pool}
+    except Exception:  # not inside a Serve replica
+        return None
+
+
 def pool_worker_id(pool: str, unique_id: str) -> str:
     """The id a replica's engine goes by in handoffs, token events and loads: its pool and its
     Serve replica's unique id ("decode-x1y2z3")."""
@@ -86,6 +97,7 @@ class ReplicaShell:
         """Name `owner` after this Serve replica (what the request router sees), start its
         engine, and keep where to publish its load: what every engine deployment does first."""
         owner.worker_id = pool_worker_id(self.pool, serve_replica_id(owner.worker_id))
+        owner.stats.export_labels = serve_metric_labels(self.pool)
         owner.start()
         self._engine_owner = owner
         self._status = status
