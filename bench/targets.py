@@ -107,6 +107,7 @@ class HttpTarget:
             "temperature": 0.0,
             "ignore_eos": True,
             "stream": True,
+            "stream_options": {"include_usage": True},
         }
         usage: dict[str, int] | None = None
         async with self._client.stream("POST", f"{self._base}/completions", json=body) as response:
@@ -117,7 +118,8 @@ class HttpTarget:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[len("data: ") :])
-                if event["choices"][0].get("text"):
+                choices = event.get("choices") or [{}]  # the usage chunk has none
+                if choices[0].get("text"):
                     record.chunks.append((clock(), 1))
                 usage = event.get("usage") or usage
         if usage is not None and record.chunks:

@@ -30,14 +30,14 @@ class ColocatedEngine(ServedEngine):
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         request = request.with_pinned_seed()
-        sampling = to_sampling_params(request.params)
+        sampling = to_sampling_params(request.params, served=True)
         started = time.perf_counter()
         num_seen = 0
         async for output in self.engine.generate(
             {"prompt_token_ids": list(request.prompt_token_ids)}, sampling, request.request_id
         ):
             completion = output.outputs[0]
-            new_ids = tuple(int(t) for t in completion.token_ids[num_seen:])
+            new_ids = tuple(int(t) for t in completion.token_ids)  # delta outputs: the new ids
             if not new_ids and completion.finish_reason is None:
                 continue
             if num_seen == 0 and new_ids:

@@ -52,6 +52,7 @@ class DecodeWorker(KVEndpoint):
         sampling = to_sampling_params(
             request.params,
             kv_transfer_params=self.backend.consumer_request_params(handoff.pull),
+            served=True,
         )
         num_seen = 0
         load_recorded = named = False
@@ -59,7 +60,7 @@ class DecodeWorker(KVEndpoint):
             {"prompt_token_ids": list(request.prompt_token_ids)}, sampling, request.request_id
         ):
             completion = output.outputs[0]
-            new_ids = [int(t) for t in completion.token_ids[num_seen:]]
+            new_ids = [int(t) for t in completion.token_ids]  # delta outputs: the new ids
             if not load_recorded:
                 # The first output settles the load: vLLM counts the prompt tokens it did not
                 # compute (loaded from the producer, or prefix-cached here).

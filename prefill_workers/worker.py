@@ -46,6 +46,7 @@ class PrefillWorker(KVEndpoint):
             request.params,
             max_tokens=1,
             kv_transfer_params=self.backend.producer_request_params(self.worker_id, attempt),
+            served=True,
         )
         self._attempts[request.request_id] = attempt
         started = time.perf_counter()

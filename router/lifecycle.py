@@ -92,8 +92,14 @@ def continuation(
     request: GenerationRequest, delivered: list[int], attempt: int
 ) -> GenerationRequest:
     """The request that goes on after `delivered`: the prompt plus those tokens, max_tokens less
-    them, under a new id (the failed attempt may still be known to an engine)."""
-    params = replace(request.params, max_tokens=request.params.max_tokens - len(delivered))
+    them (min_tokens too), under a new id (the failed attempt may still be known to an engine).
+    Presence and frequency penalties count the delivered tokens as prompt from here on: a moved
+    request that uses them may differ from an unmoved one."""
+    params = replace(
+        request.params,
+        max_tokens=request.params.max_tokens - len(delivered),
+        min_tokens=max(0, request.params.min_tokens - len(delivered)),
+    )
     return replace(
         request,
         request_id=f"{request.request_id}~{attempt}",

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,7 +22,14 @@ from starlette.requests import ClientDisconnect
 
 from router.auth import Unauthenticated
 from router.lifecycle import StreamInterrupted
-from router.service import Caller, Overloaded, PreparedRequest, RouterService, StreamChunk
+from router.service import (
+    Caller,
+    Overloaded,
+    PreparedRequest,
+    RouterService,
+    StreamChunk,
+    Usage,
+)
 from router.validation import InvalidRequest
 
 http_app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
@@ -99,29 +109,72 @@ def _short(exc: BaseException) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _chunk_json(prepared: PreparedRequest, chunk: StreamChunk, created: int) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": chunk.finish_reason, "logprobs": None}
-    if prepared.validated.is_chat:
-        choice["delta"] = {"role": "assistant", "content": chunk.text}
-        kind = "chat.completion.chunk"
-    else:
-        choice["text"] = chunk.text
-        kind = "text_completion"
-    body = {
-        "id": chunk.request_id,
-        "object": kind,
-        "created": created,
-        "model": prepared.validated.model,
-        "choices": [choice],
-    }
-    if chunk.usage is not None:
-        body["usage"] = _usage(chunk)
-    return body
+@dataclass
+class Reply:
+    """How one OpenAI request is answered: its response id (`cmpl-`/`chatcmpl-` and the
+    client's X-Request-Id when sent, as vLLM does), its kind and its stream options."""
+
+    prepared: PreparedRequest
+    response_id: str
+    created: int
+    num_tokens_sent: int = 0
+
+    @property
+    def is_chat(self) -> bool:
+        return self.prepared.validated.is_chat
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.prepared.validated.model,
+            "choices": choices,
+        }
+
+    def chunk(self, chunk: StreamChunk, *, first: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None}
+        if self.is_chat:
+            choice["delta"] = {"content": chunk.text}
+            if first:
+                choice["delta"] = {"role": "assistant", **choice["delta"]}
+        else:
+            choice["text"] = chunk.text
+            choice["stop_reason"] = None
+        choice["finish_reason"] = chunk.finish_reason
+        kind = "chat.completion.chunk" if self.is_chat else "text_completion"
+        body = self._envelope(kind, [choice])
+        self.num_tokens_sent += len(chunk.token_ids)
+        validated = self.prepared.validated
+        if validated.continuous_usage:
+            so_far = Usage(self.prepared.request.num_prompt_tokens, self.num_tokens_sent)
+            body["usage"] = _usage(chunk.usage or so_far)
+        elif validated.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, last: StreamChunk) -> dict[str, Any] | None:
+        """The last chunk of a stream that asked for usage: no choices, the usage."""
+        if not self.prepared.validated.include_usage or last.usage is None:
+            return None
+        kind = "chat.completion.chunk" if self.is_chat else "text_completion"
+        return {**self._envelope(kind, []), "usage": _usage(last.usage)}
+
+    def whole(self, text: str, last: StreamChunk) -> dict[str, Any]:
+        assert last.usage is not None
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
+        if self.is_chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            kind = "chat.completion"
+        else:
+            choice["text"] = text
+            kind = "text_completion"
+        choice["stop_reason"] = None
+        return {**self._envelope(kind, [choice]), "usage": _usage(last.usage)}
 
 
-def _usage(chunk: StreamChunk) -> dict[str, int]:
-    assert chunk.usage is not None
-    prompt, completion = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+def _usage(usage: Usage) -> dict[str, int]:
+    prompt, completion = usage.prompt_tokens, usage.completion_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -129,24 +182,30 @@ def _usage(chunk: StreamChunk) -> dict[str, int]:
     }
 
 
+def _data(body: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
 async def sse_events(
-    service: RouterService,
-    prepared: PreparedRequest,
-    first: StreamChunk,
-    rest: AsyncIterator[StreamChunk],
+    reply: Reply, first: StreamChunk, rest: AsyncIterator[StreamChunk]
 ) -> AsyncIterator[bytes]:
     """The stream's events; a failure after the first (the engines failed more often than the
     request may move, or an error of ours) is an OpenAI error event, then [DONE], as vLLM does:
     the status line has gone out already."""
-    created = int(time.time())
-    yield f"data: {json.dumps(_chunk_json(prepared, first, created))}\n\n".encode()
+    yield _data(reply.chunk(first, first=True))
+    last = first
     try:
         async for chunk in rest:
-            yield f"data: {json.dumps(_chunk_json(prepared, chunk, created))}\n\n".encode()
+            yield _data(reply.chunk(chunk, first=False))
+            last = chunk
     except Exception as exc:
         status, kind = _failure_status(exc)
         error = {"message": _short(exc), "type": kind, "param": None, "code": status}
-        yield f"data: {json.dumps({'error': error})}\n\n".encode()
+        yield _data({"error": error})
+    else:
+        usage = reply.usage_chunk(last)
+        if usage is not None:
+            yield _data(usage)
     yield b"data: [DONE]\n\n"
 
 
@@ -157,31 +216,34 @@ def _failure_status(exc: BaseException) -> tuple[int, str]:
     return 500, "internal_error"
 
 
-async def whole_response(
-    prepared: PreparedRequest, chunks: AsyncIterator[StreamChunk]
-) -> dict[str, Any]:
+async def whole_response(reply: Reply, chunks: AsyncIterator[StreamChunk]) -> dict[str, Any]:
     texts: list[str] = []
     last: StreamChunk | None = None
     async for chunk in chunks:
         texts.append(chunk.text)
         last = chunk
-    assert last is not None and last.usage is not None
-    text = "".join(texts)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-    if prepared.validated.is_chat:
-        choice["message"] = {"role": "assistant", "content": text}
-        kind = "chat.completion"
-    else:
-        choice["text"] = text
-        kind = "text_completion"
-    return {
-        "id": last.request_id,
-        "object": kind,
-        "created": int(time.time()),
-        "model": prepared.validated.model,
-        "choices": [choice],
-        "usage": _usage(last),
-    }
+    assert last is not None
+    return reply.whole("".join(texts), last)
+
+
+# What a client's X-Request-Id (or body request_id) may hold: it names the request in the
+# engines, logs and Redis keys.
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def client_request_id(request: Request, body: dict[str, Any]) -> str | None:
+    """The id the client named the request by: X-Request-Id, else the body's request_id."""
+    header = request.headers.get("x-request-id")
+    field, value = ("X-Request-Id", header) if header is not None else ("request_id", None)
+    if value is None:
+        value = body.get("request_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _CLIENT_ID.fullmatch(value):
+        raise InvalidRequest(
+            field, "must be 1 to 128 characters of letters, digits, '.', '_', ':' or '-'"
+        )
+    return value
 
 
 async def openai_generate(
@@ -193,6 +255,7 @@ async def openai_generate(
 ) -> Any:
     """One OpenAI completion or chat completion; the stream starts only once the request has
     been admitted and its first token is out, so errors still get a proper status code."""
+    client_id: str | None = None
     try:
         body = await read_json(request, max_body_bytes)
         field, other = ("messages", "prompt") if chat else ("prompt", "messages")
@@ -200,10 +263,15 @@ async def openai_generate(
             raise InvalidRequest(other, f"not accepted here; this endpoint takes {field}")
         if field not in body:
             raise InvalidRequest(field, "is required")
-        prepared = await service.prepare_async(body, caller=caller)
+        client_id = client_request_id(request, body)
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
+        # The engines need an id no other request has, whatever the client sent.
+        engine_id = f"{response_id}-{uuid.uuid4().hex[:8]}" if client_id else response_id
+        prepared = await service.prepare_async(body, engine_id, caller=caller)
+        reply = Reply(prepared, response_id, int(time.time()))
         chunks = service.stream(prepared)
         if not prepared.validated.stream:
-            return JSONResponse(await whole_response(prepared, chunks))
+            return JSONResponse(await whole_response(reply, chunks), headers=_echo(client_id))
         first = await chunks.__anext__()
     except InvalidRequest as exc:
         service.record_refusal("invalid")
@@ -217,8 +285,12 @@ async def openai_generate(
     except StreamInterrupted as exc:  # counted by the service, as an error
         return error_response(503, str(exc), "service_unavailable")
     return StreamingResponse(
-        sse_events(service, prepared, first, chunks), media_type="text/event-stream"
+        sse_events(reply, first, chunks), media_type="text/event-stream", headers=_echo(client_id)
     )
+
+
+def _echo(client_id: str | None) -> dict[str, str]:
+    return {"X-Request-Id": client_id} if client_id else {}
 
 
 def models_body(model_id: str, max_model_len: int) -> dict[str, Any]:

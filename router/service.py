@@ -160,9 +160,14 @@ class RouterService:
         return PreparedRequest(validated, request, caller)
 
     def _tokenize(self, validated: ValidatedRequest) -> list[int]:
+        special = validated.add_special_tokens
         if validated.messages is None:
             assert validated.prompt is not None
-            return list(self.tokenizer(validated.prompt)["input_ids"])
+            return list(
+                self.tokenizer(validated.prompt, add_special_tokens=special is not False)[
+                    "input_ids"
+                ]
+            )
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("messages", "this model has no chat template; send a prompt")
         text = self.tokenizer.apply_chat_template(
@@ -170,7 +175,7 @@ class RouterService:
             tokenize=False,
             add_generation_prompt=True,
         )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(text, add_special_tokens=special is True)["input_ids"])
 
     async def stream(self, prepared: PreparedRequest) -> AsyncIterator[StreamChunk]:
         """The request's chunks, once its API key's limits (if any) and admission let it in;

@@ -25,14 +25,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.params import MAX_TOKENS_LIMIT, GenerationParams
+from router.openai_fields import first_unsupported
 
-CHAT_ROLES = frozenset({"system", "user", "assistant"})
-KNOWN_FIELDS = frozenset(
-    {"model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed"}
-    | {"stream", "stop", "ignore_eos"}
-)
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 MAX_SEED = 2**63 - 1  # the protobuf field is int64
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_TOKEN_IDS = 64
 _ECHO_CHARS = 80  # how much of a refused value an error message repeats
 
 
@@ -95,6 +93,11 @@ class ValidatedRequest:
     stop: tuple[str, ...] = ()
     # False when max_tokens is the router's default: then it may be clamped to the context.
     is_max_tokens_explicit: bool = True
+    # stream_options: usage in a last chunk of its own; usage on every chunk.
+    include_usage: bool = False
+    continuous_usage: bool = False
+    # None: the endpoint's default (prompts get the tokenizer's special tokens, chat does not).
+    add_special_tokens: bool | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -107,32 +110,55 @@ class ValidatedRequest:
 
 
 def validate_request(body: Mapping[str, Any], limits: RequestLimits) -> ValidatedRequest:
+    """The body of an OpenAI (or our gRPC) request. Every field of vLLM's request models is
+    accepted: those that change the answer are honoured or, where pdserve does not do them,
+    refused unless at vLLM's default; fields nobody knows are ignored, as vLLM ignores them."""
     if not isinstance(body, Mapping):
         raise InvalidRequest("body", f"must be an object, got {_type_name(body)}")
-    unknown = sorted(str(key) for key in body if key not in KNOWN_FIELDS)
-    if unknown:
-        raise InvalidRequest(
-            unknown[0], f"unknown field; allowed: {', '.join(sorted(KNOWN_FIELDS))}"
-        )
+    unsupported = first_unsupported(body)
+    if unsupported is not None:
+        raise InvalidRequest(*unsupported)
     model = _model(body, limits)
     prompt, messages = _prompt_or_messages(body, limits)
-    max_tokens = _optional_int(body, "max_tokens", 1, limits.max_tokens_limit)
+    max_tokens = _optional_int(body, "max_completion_tokens", 1, limits.max_tokens_limit)
+    if max_tokens is None:
+        max_tokens = _optional_int(body, "max_tokens", 1, limits.max_tokens_limit)
+    resolved_max_tokens = limits.default_max_tokens if max_tokens is None else max_tokens
+    top_k = _optional_int(body, "top_k", -1, None, hint=" (0 or -1 disables it)") or 0
     params = GenerationParams(
-        max_tokens=limits.default_max_tokens if max_tokens is None else max_tokens,
+        max_tokens=resolved_max_tokens,
         temperature=_optional_float(body, "temperature", 0.0, 2.0, default=0.0),
         top_p=_optional_float(body, "top_p", 0.0, 1.0, default=1.0, low_open=True),
-        top_k=_optional_int(body, "top_k", 0, None, hint=" (0 disables it)") or 0,
-        seed=_optional_int(body, "seed", 0, MAX_SEED),
+        top_k=max(top_k, 0),
+        seed=_optional_int(body, "seed", -MAX_SEED - 1, MAX_SEED),
         ignore_eos=_optional_bool(body, "ignore_eos"),
+        min_p=_optional_float(body, "min_p", 0.0, 1.0, default=0.0),
+        min_tokens=_optional_int(body, "min_tokens", 0, resolved_max_tokens) or 0,
+        presence_penalty=_optional_float(body, "presence_penalty", -2.0, 2.0, default=0.0),
+        frequency_penalty=_optional_float(body, "frequency_penalty", -2.0, 2.0, default=0.0),
+        repetition_penalty=_optional_float(
+            body, "repetition_penalty", 0.0, 1e6, default=1.0, low_open=True
+        ),
+        stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
     )
+    stream = _optional_bool(body, "stream")
+    include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
+    add_special_tokens = body.get("add_special_tokens")
+    if add_special_tokens is not None and not isinstance(add_special_tokens, bool):
+        raise InvalidRequest(
+            "add_special_tokens", f"must be true or false, got {_type_name(add_special_tokens)}"
+        )
     return ValidatedRequest(
         model=model,
         prompt=prompt,
         messages=messages,
         params=params,
-        stream=_optional_bool(body, "stream"),
+        stream=stream,
         stop=_stop(body.get("stop"), limits),
         is_max_tokens_explicit=max_tokens is not None,
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
+        add_special_tokens=add_special_tokens,
     )
 
 
@@ -216,9 +242,14 @@ def _messages(raw: object, limits: RequestLimits) -> tuple[ChatMessage, ...]:
 def _message(field: str, raw: object) -> ChatMessage:
     if not isinstance(raw, Mapping):
         raise InvalidRequest(field, f"must be an object, got {_type_name(raw)}")
-    extra = sorted(str(key) for key in raw if key not in ("role", "content"))
+    extra = sorted(str(key) for key in raw if key not in ("role", "content", "name"))
     if extra:
-        raise InvalidRequest(f"{field}.{extra[0]}", "unknown field; allowed: role, content")
+        raise InvalidRequest(
+            f"{field}.{extra[0]}", "not supported by pdserve; a message has role, content, name"
+        )
+    name = raw.get("name")
+    if name is not None and not isinstance(name, str):
+        raise InvalidRequest(f"{field}.name", f"must be a string, got {_type_name(name)}")
     role = raw.get("role")
     if not isinstance(role, str) or role not in CHAT_ROLES:
         allowed = ", ".join(sorted(CHAT_ROLES))
@@ -268,6 +299,41 @@ def _stop(raw: object, limits: RequestLimits) -> tuple[str, ...]:
     for stop in stops:
         _check_text("stop", stop)
     return tuple(stops)
+
+
+def _stop_token_ids(raw: object) -> tuple[int, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list | tuple) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in raw
+    ):
+        raise InvalidRequest(
+            "stop_token_ids", f"must be a list of token ids, got {_echo(repr(raw))}"
+        )
+    if len(raw) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            "stop_token_ids", f"holds {len(raw)} ids; at most {MAX_STOP_TOKEN_IDS} are accepted"
+        )
+    return tuple(raw)
+
+
+def _stream_options(raw: object, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats); vLLM refuses stream_options without stream."""
+    if raw is None:
+        return False, False
+    if not stream:
+        raise InvalidRequest("stream_options", "is only accepted with stream: true")
+    if not isinstance(raw, Mapping):
+        raise InvalidRequest("stream_options", f"must be an object, got {_type_name(raw)}")
+    flags = []
+    for key in ("include_usage", "continuous_usage_stats"):
+        value = raw.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise InvalidRequest(
+                f"stream_options.{key}", f"must be true or false, got {_type_name(value)}"
+            )
+        flags.append(bool(value))
+    return flags[0], flags[1]
 
 
 def _check_text(field: str, text: str) -> None:

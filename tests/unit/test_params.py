@@ -18,7 +18,9 @@ from engine.params import GenerationParams
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.1}, "top_p"),
         ({"top_k": -1}, "top_k"),
-        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"min_tokens": 65}, "min_tokens"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ],
 )
 def test_bad_values_name_the_field(fields: dict[str, object], field_name: str) -> None:

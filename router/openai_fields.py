@@ -1,0 +1,106 @@
+"""The request fields of vLLM's OpenAI server, and what pdserve does with each.
+
+vLLM 0.32's `CompletionRequest` and `ChatCompletionRequest` (vllm.entrypoints.openai.*.protocol)
+have about 70 fields and ignore any other (pydantic `extra="allow"`). pdserve accepts the same
+set, so vLLM's clients and `vllm bench serve` work unchanged:
+
+- HONOURED: validated in router/validation.py and carried to both pools (sampling) or used by
+  the router (stream options, stop strings, special tokens).
+- IGNORED: accepted and without effect on the tokens (who sent it, scheduling hints, tool
+  choices without tools).
+- AT_DEFAULT_ONLY: would change the answer or the response's shape, and pdserve does not do it
+  (yet); accepted at vLLM's default value (or null), else a 400 naming the field.
+
+The router does not import vLLM's own models: that import takes ~7 s and brings torch into
+every router process. tests/unit/test_openai_fields.py checks these tables against vLLM's
+models, so a vLLM upgrade that adds a field fails there, not at a client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+HONOURED = frozenset(
+    {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream"}
+    | {"stream_options", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p"}
+    | {"seed", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty"}
+    | {"repetition_penalty", "add_special_tokens", "request_id"}
+)
+
+IGNORED = frozenset(
+    {"user", "session_id", "priority", "stream_interval", "parallel_tool_calls"}
+    | {"include_reasoning", "truncation_side", "mm_payload", "spaces_between_special_tokens"}
+)
+
+# field -> the values that mean "vLLM's default" (null always does).
+AT_DEFAULT_ONLY: Mapping[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "prompt_logprobs": (),
+    "echo": (False,),
+    "suffix": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "logit_bias": ({},),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "logprob_token_ids": (),
+    "response_format": ({"type": "text"},),
+    "structured_outputs": (),
+    "truncate_prompt_tokens": (),
+    "prompt_embeds": (),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "ec_transfer_params": (),
+    "vllm_xargs": ({},),
+    "repetition_detection": (),
+    "thinking_token_budget": (),
+    "watermarking": (False,),
+    "return_token_ids": (False,),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_offsets": (False,),
+    "return_prompt_text": (False,),
+    "return_mm_kwargs": (False,),
+    "routed_experts_prompt_start": (0,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "documents": ([],),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "reasoning_effort": (),
+    "mm_processor_kwargs": ({},),
+    "media_io_kwargs": ({},),
+}
+
+KNOWN = HONOURED | IGNORED | frozenset(AT_DEFAULT_ONLY)
+
+
+def first_unsupported(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(field, why) for the first field pdserve cannot honour at the value sent, else None."""
+    for field, defaults in AT_DEFAULT_ONLY.items():
+        value = body.get(field)
+        if value is None or _is_default(value, defaults):
+            continue
+        allowed = " or ".join(repr(d) for d in (*defaults, None))
+        return field, f"is not supported by pdserve; send {allowed} or leave it out"
+    return None
+
+
+def _is_default(value: object, defaults: tuple[Any, ...]) -> bool:
+    # bool is an int subclass: `true` is not the default 1 of `n`, nor `false` the 0 of a count.
+    return any(
+        (type(value) is type(default) and value == default)
+        or (
+            isinstance(default, float)
+            and isinstance(value, int)
+            and not isinstance(value, bool)
+            and value == default
+        )
+        for default in defaults
+    )

@@ -1,0 +1,124 @@
+"""pdserve's OpenAI surface against vLLM's own protocol models (vLLM is imported here, in the
+test, never in the router): the same request fields, the defaults pdserve accepts are vLLM's,
+and every response and stream chunk pdserve writes parses as vLLM's response models."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from router.admission import AdmissionLimits
+from router.openai_api import Reply, sse_events, whole_response
+from router.openai_fields import AT_DEFAULT_ONLY, HONOURED, IGNORED, KNOWN
+from router.service import RouterService
+from router.validation import RequestLimits
+from tests.fakes import FakeDecode, FakeEngines, FakePrefill, FakeTokenizer
+
+MODEL = "fake"
+
+
+@pytest.fixture(scope="module")
+def vllm_protocol() -> dict[str, Any]:
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionRequest,
+        ChatCompletionResponse,
+        ChatCompletionStreamResponse,
+    )
+    from vllm.entrypoints.openai.completion.protocol import (
+        CompletionRequest,
+        CompletionResponse,
+        CompletionStreamResponse,
+    )
+
+    return {
+        "requests": (CompletionRequest, ChatCompletionRequest),
+        "whole": {False: CompletionResponse, True: ChatCompletionResponse},
+        "stream": {False: CompletionStreamResponse, True: ChatCompletionStreamResponse},
+    }
+
+
+def test_the_tables_hold_every_vllm_request_field_once(vllm_protocol: dict[str, Any]) -> None:
+    completion, chat = vllm_protocol["requests"]
+    vllm_fields = set(completion.model_fields) | set(chat.model_fields)
+    assert vllm_fields == KNOWN, (sorted(vllm_fields - KNOWN), sorted(KNOWN - vllm_fields))
+    assert not (HONOURED & IGNORED) and not (HONOURED | IGNORED) & set(AT_DEFAULT_ONLY)
+
+
+def test_what_pdserve_accepts_at_default_includes_vllms_default(
+    vllm_protocol: dict[str, Any],
+) -> None:
+    for model in vllm_protocol["requests"]:
+        for name, defaults in AT_DEFAULT_ONLY.items():
+            if name not in model.model_fields:
+                continue
+            default = model.model_fields[name].get_default(call_default_factory=True)
+            assert default is None or default in defaults, (model.__name__, name, default)
+
+
+def make_service() -> RouterService:
+    return RouterService(
+        FakeTokenizer(),
+        RequestLimits(served_models=frozenset({MODEL}), default_model=MODEL),
+        AdmissionLimits(max_in_flight=8, max_queued_prompt_tokens=1024),
+        64,
+        FakeEngines(FakePrefill(), FakeDecode("orld")),
+    )
+
+
+def body_for(chat: bool, **fields: Any) -> dict[str, Any]:
+    prompt = {"messages": [{"role": "user", "content": "hello"}]} if chat else {"prompt": "hello"}
+    return {**prompt, "model": MODEL, **fields}
+
+
+async def stream_events(chat: bool, **fields: Any) -> list[dict[str, Any]]:
+    service = make_service()
+    prepared = service.prepare(body_for(chat, stream=True, **fields), "req-1")
+    chunks = service.stream(prepared)
+    first = await anext(chunks)
+    reply = Reply(prepared, "chatcmpl-1" if chat else "cmpl-1", 1)
+    events = [e.decode() async for e in sse_events(reply, first, chunks)]
+    assert events[-1] == "data: [DONE]\n\n"
+    return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_stream_chunks_parse_as_vllms_and_usage_comes_only_when_asked(
+    chat: bool, vllm_protocol: dict[str, Any]
+) -> None:
+    model = vllm_protocol["stream"][chat]
+    plain = await stream_events(chat)
+    assert all("usage" not in event for event in plain)
+    asked = await stream_events(chat, stream_options={"include_usage": True})
+    *tokens, usage = asked
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(tokens)
+    assert all(event["usage"] is None for event in tokens)
+    continuous = await stream_events(
+        chat, stream_options={"include_usage": True, "continuous_usage_stats": True}
+    )
+    counts = [event["usage"]["completion_tokens"] for event in continuous[:-1]]
+    assert counts == list(range(1, len(counts) + 1))
+    for event in plain + asked + continuous:
+        parsed = model.model_validate(event)
+        assert set(event) <= set(type(parsed).model_fields)
+        for choice in event["choices"]:
+            assert set(choice) <= set(type(parsed.choices[0]).model_fields)
+    if chat:  # the role comes once, in the first delta, as vLLM sends it
+        assert [("role" in e["choices"][0]["delta"]) for e in plain] == [True] + [False] * (
+            len(plain) - 1
+        )
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_whole_responses_parse_as_vllms(chat: bool, vllm_protocol: dict[str, Any]) -> None:
+    service = make_service()
+    prepared = service.prepare(body_for(chat), "req-1")
+    reply = Reply(prepared, "chatcmpl-1" if chat else "cmpl-1", 1)
+    body = await whole_response(reply, service.stream(prepared))
+    model = vllm_protocol["whole"][chat]
+    parsed = model.model_validate(body)
+    assert set(body) <= set(model.model_fields)
+    assert set(body["choices"][0]) <= set(type(parsed.choices[0]).model_fields)
+    text = body["choices"][0]["message"]["content"] if chat else body["choices"][0]["text"]
+    assert text == "World" and body["usage"]["completion_tokens"] == 5
