@@ -24,7 +24,12 @@ def start_async_engine(
     env: dict[str, str] | None = None,
     recorder: EngineStatsRecorder | None = None,
 ) -> tuple[Any, float]:
-    """An AsyncLLM for `settings`, and how long it took to start (seconds)."""
+    """An AsyncLLM for `settings`, and how long it took to start (seconds). A sim engine
+    (`settings.sim`) is a stand-in in this process: no KV connector, no child processes."""
+    if settings.sim is not None:
+        from engine.sim.engine import start_sim_engine
+
+        return start_sim_engine(settings, recorder)
     from vllm.v1.engine.async_llm import AsyncLLM
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"

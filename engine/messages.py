@@ -183,6 +183,19 @@ class RayPull:
 
 
 @dataclass(frozen=True)
+class SimPull:
+    """The `sim` backend's record: what a simulated producer computed, so the consumer can
+    model the transfer's time from its bytes (engine/sim/)."""
+
+    producer_id: str
+    num_tokens: int
+    num_bytes: int
+
+
+KVPull = NixlPull | RayPull | SimPull
+
+
+@dataclass(frozen=True)
 class KVHandoff:
     backend: str
     producer_id: str
@@ -191,7 +204,7 @@ class KVHandoff:
     first_token: int
     layout: KVLayout
     lease_expires_at: float
-    pull: NixlPull | RayPull
+    pull: KVPull
     digest: str = ""
 
     def __post_init__(self) -> None:

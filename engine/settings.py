@@ -29,6 +29,22 @@ DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024**2
 
 
 @dataclass(frozen=True)
+class SimSpec:
+    """A simulated engine (engine/sim/): no vLLM engine process; steps take the time the named
+    profile gives, KV crosses the named link."""
+
+    profile: str
+    # A link of engine/sim/profiles/links.json; None: the profile's default link.
+    link: str | None = None
+    # Seconds a replica's start takes (models loading the weights).
+    start_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.start_delay_s < 0:
+            raise ValueError(f"start_delay_s must be >= 0, got {self.start_delay_s}")
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     """How one vLLM engine runs. Built by `EngineSpec.resolve()`, or directly in tests."""
 
@@ -46,6 +62,8 @@ class EngineSettings:
     cpu_cores: tuple[int, ...] | None = None
     gpu_memory_utilization: float = 0.9
     served_model_name: str | None = None
+    # Set: a simulated engine (engine/sim/) instead of vLLM.
+    sim: SimSpec | None = None
 
     def __post_init__(self) -> None:
         if self.device == "cpu":
@@ -132,6 +150,7 @@ class EngineSpec:
     cpu_cores: tuple[int, ...] | None = None
     gpu_memory_utilization: float = 0.9
     served_model_name: str | None = None
+    sim: SimSpec | None = None
 
     def resolve(self) -> EngineSettings:
         device = detect_device() if self.device == "auto" else self.device
@@ -147,4 +166,5 @@ class EngineSpec:
             cpu_cores=self.cpu_cores if device == "cpu" else None,
             gpu_memory_utilization=self.gpu_memory_utilization,
             served_model_name=self.served_model_name,
+            sim=self.sim,
         )

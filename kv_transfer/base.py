@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from engine.messages import NixlPull, RayPull
+from engine.messages import KVPull
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig
@@ -83,7 +83,7 @@ class KVBackend(ABC):
     def __init__(self, settings: TransferSettings) -> None:
         self.settings = settings
 
-    def transfer_config(self, engine_id: str, role: Role) -> KVTransferConfig:
+    def transfer_config(self, engine_id: str, role: Role) -> KVTransferConfig | None:
         from vllm.config import KVTransferConfig
 
         buffer_device = self.kv_buffer_device()
@@ -113,12 +113,12 @@ class KVBackend(ABC):
         return None
 
     @abstractmethod
-    def parse_producer_output(self, params: dict[str, Any]) -> NixlPull | RayPull: ...
+    def parse_producer_output(self, params: dict[str, Any]) -> KVPull: ...
 
     @abstractmethod
-    def consumer_request_params(self, pull: NixlPull | RayPull) -> dict[str, Any]: ...
+    def consumer_request_params(self, pull: KVPull) -> dict[str, Any]: ...
 
-    def rejection_params(self, pull: NixlPull | RayPull) -> dict[str, Any]:
+    def rejection_params(self, pull: KVPull) -> dict[str, Any]:
         return self.consumer_request_params(pull)
 
     def process_env(self) -> dict[str, str]:
@@ -159,5 +159,5 @@ def make_backend(settings: TransferSettings) -> KVBackend:
 
 
 def _load_builtin_backends() -> None:
-    for module in ("kv_transfer.nixl", "kv_transfer.ray_backend"):
+    for module in ("kv_transfer.nixl", "kv_transfer.ray_backend", "kv_transfer.sim_backend"):
         importlib.import_module(module)

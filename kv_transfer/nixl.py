@@ -10,7 +10,7 @@ import ipaddress
 import socket
 from typing import Any
 
-from engine.messages import NixlPull, RayPull
+from engine.messages import KVPull, NixlPull
 from kv_transfer.base import KVBackend, register_backend
 
 
@@ -34,7 +34,7 @@ class NixlBackend(KVBackend):
     def parse_producer_output(self, params: dict[str, Any]) -> NixlPull:
         return NixlPull.from_producer_params(params)
 
-    def consumer_request_params(self, pull: NixlPull | RayPull) -> dict[str, Any]:
+    def consumer_request_params(self, pull: KVPull) -> dict[str, Any]:
         if not isinstance(pull, NixlPull):
             raise TypeError(f"nixl backend got a {type(pull).__name__}")
         return pull.to_consumer_params(flat_blocks=False)

@@ -7,7 +7,7 @@ import asyncio
 import logging
 from typing import Any
 
-from engine.messages import NixlPull, RayPull
+from engine.messages import KVPull, RayPull
 from kv_transfer.base import KVBackend, register_backend
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class RayBackend(KVBackend):
             )
         return RayPull.from_producer_params(params["ray_kv"])
 
-    def consumer_request_params(self, pull: NixlPull | RayPull) -> dict[str, Any]:
+    def consumer_request_params(self, pull: KVPull) -> dict[str, Any]:
         if not isinstance(pull, RayPull):
             raise TypeError(f"ray backend got a {type(pull).__name__}")
         return {"do_remote_prefill": True, "ray_kv": pull.params}

@@ -162,6 +162,8 @@ def test_kv_connectors_are_named_by_module_and_class() -> None:
     found = {text for text, _ in strings_in_code()}
     for name in backend_names():
         backend = make_backend(TransferSettings(backend=name))
+        if not backend.connector:
+            continue  # no vLLM connector (the sim engines' backend)
         assert backend.connector_module in found
         source = (REPO / Path(*backend.connector_module.split("."))).with_suffix(".py")
         assert f"class {backend.connector}(" in source.read_text()

@@ -1,0 +1,128 @@
+"""The sim engine's scheduler (engine/sim/scheduler.py): vLLM's policy as plain data."""
+
+from __future__ import annotations
+
+from engine.sim.blocks import BlockPool
+from engine.sim.scheduler import SimRequest, SimScheduler
+from engine.sim.tokens import TokenSource
+
+BLOCK = 4
+
+
+def make_scheduler(
+    num_blocks: int = 64, budget: int = 32, max_num_seqs: int = 8, max_model_len: int = 1024
+) -> SimScheduler:
+    return SimScheduler(
+        BlockPool(num_blocks, BLOCK),
+        TokenSource(range(100, 200)),
+        budget,
+        max_num_seqs,
+        max_model_len,
+    )
+
+
+def make_request(
+    rid: str, num_prompt: int, max_tokens: int = 4, first: int = 0, kv_s: float | None = None
+) -> SimRequest:
+    prompt = tuple(range(first, first + num_prompt))
+    return SimRequest(rid, prompt, max_tokens, TokenSource.request_seed(prompt, None), kv_s)
+
+
+def run(scheduler: SimScheduler, now: float = 0.0, max_steps: int = 1000) -> list[list[tuple]]:
+    """Every step's chunks as (request id, context, tokens) until nothing is left."""
+    steps = []
+    for _ in range(max_steps):
+        if not scheduler.num_unfinished:
+            return steps
+        step = scheduler.schedule(now)
+        steps.append([(c.request.request_id, c.num_context, c.num_tokens) for c in step.chunks])
+        scheduler.complete(step)
+    raise AssertionError("scheduler did not finish")
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_of_the_token_budget() -> None:
+    scheduler = make_scheduler(budget=32)
+    request = make_request("a", 100, max_tokens=3)
+    scheduler.add(request)
+    steps = run(scheduler)
+    assert steps[:4] == [[("a", 0, 32)], [("a", 32, 32)], [("a", 64, 32)], [("a", 96, 4)]]
+    assert steps[4:] == [[("a", 100, 1)], [("a", 101, 1)]]
+    assert len(request.output_token_ids) == 3 and request.finish_reason == "length"
+    assert scheduler.blocks.num_used_blocks == 0
+
+
+def test_decodes_and_a_new_prefill_share_a_step_within_the_budget() -> None:
+    scheduler = make_scheduler(budget=32)
+    scheduler.add(make_request("a", 8, max_tokens=5))
+    scheduler.complete(scheduler.schedule(0.0))  # a prefilled: first token
+    scheduler.add(make_request("b", 40, max_tokens=2, first=500))
+    step = scheduler.schedule(0.0)
+    # a decodes one token; b takes the rest of the budget (31 of its 40 prompt tokens).
+    assert [(c.request.request_id, c.num_tokens) for c in step.chunks] == [("a", 1), ("b", 31)]
+    assert step.decode_contexts == [9] and step.prefill_chunks == [(0, 31)]
+
+
+def test_when_blocks_run_out_the_newest_request_is_preempted_and_recomputed() -> None:
+    # 6 blocks of 4 tokens: two 8-token prompts (2 blocks each) fit, their growth does not.
+    scheduler = make_scheduler(num_blocks=6, budget=64)
+    a, b = make_request("a", 8, max_tokens=8), make_request("b", 8, max_tokens=8, first=50)
+    scheduler.add(a)
+    scheduler.add(b)
+    run(scheduler)
+    assert scheduler.num_preemptions >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
+    assert len(a.output_token_ids) == 8 and len(b.output_token_ids) == 8
+    assert scheduler.blocks.num_used_blocks == 0
+
+
+def test_max_num_seqs_bounds_the_running_batch() -> None:
+    scheduler = make_scheduler(budget=256, max_num_seqs=2)
+    for i in range(3):
+        scheduler.add(make_request(str(i), 4, first=10 * i))
+    step = scheduler.schedule(0.0)
+    assert [c.request.request_id for c in step.chunks] == ["0", "1"]
+    assert len(scheduler.waiting) == 1
+
+
+def test_a_repeated_prompt_reuses_its_cached_full_blocks() -> None:
+    scheduler = make_scheduler()
+    first = make_request("a", 18, max_tokens=1)
+    scheduler.add(first)
+    run(scheduler)
+    again = make_request("b", 18, max_tokens=1)
+    scheduler.add(again)
+    steps = run(scheduler)
+    # 17 tokens are cacheable (the last is always computed): 4 full blocks = 16 tokens.
+    assert again.num_cached_tokens == 16 and steps == [[("b", 16, 2)]]
+    assert again.output_token_ids == first.output_token_ids
+
+
+def test_a_consumer_holds_blocks_during_the_transfer_then_computes_one_position() -> None:
+    scheduler = make_scheduler()
+    request = make_request("a", 20, max_tokens=2, kv_s=0.5)
+    scheduler.add(request)
+    assert scheduler.schedule(0.0).chunks == ()
+    assert scheduler.blocks.num_used_blocks == 5 and scheduler.next_kv_ready_at() == 0.5
+    assert scheduler.schedule(0.4).chunks == ()
+    step = scheduler.schedule(0.5)
+    assert [(c.num_context, c.num_tokens) for c in step.chunks] == [(19, 1)]
+    assert request.num_cached_tokens == 19
+
+
+def test_the_first_token_depends_on_the_prompt_only() -> None:
+    producer, consumer = make_scheduler(), make_scheduler(budget=8)
+    a, b = make_request("a", 30, max_tokens=1), make_request("b", 30, max_tokens=3, kv_s=0.0)
+    producer.add(a)
+    consumer.add(b)
+    run(producer)
+    run(consumer)
+    assert a.output_token_ids[0] == b.output_token_ids[0]
+    assert all(100 <= t < 200 for t in b.output_token_ids)
+
+
+def test_abort_frees_the_request_blocks() -> None:
+    scheduler = make_scheduler()
+    scheduler.add(make_request("a", 30, max_tokens=50))
+    scheduler.complete(scheduler.schedule(0.0))
+    assert scheduler.blocks.num_used_blocks > 0
+    assert scheduler.abort("a") is not None and scheduler.abort("a") is None
+    assert scheduler.blocks.num_used_blocks == 0 and scheduler.num_unfinished == 0
