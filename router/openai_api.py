@@ -13,7 +13,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,9 +28,8 @@ from router.service import (
     PreparedRequest,
     RouterService,
     StreamChunk,
-    Usage,
 )
-from router.validation import InvalidRequest
+from router.validation import InvalidRequest, ValidatedRequest
 
 http_app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 
@@ -112,28 +111,38 @@ def _short(exc: BaseException) -> str:
 @dataclass
 class Reply:
     """How one OpenAI request is answered: its response id (`cmpl-`/`chatcmpl-` and the
-    client's X-Request-Id when sent, as vLLM does), its kind and its stream options."""
+    client's X-Request-Id when sent, as vLLM does), its kind, its stream options, and its `n`
+    choices (one request each, `prepared[i]` for choice i)."""
 
-    prepared: PreparedRequest
+    prepared: list[PreparedRequest]
     response_id: str
     created: int
-    num_tokens_sent: int = 0
+    num_tokens_sent: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def validated(self) -> ValidatedRequest:
+        return self.prepared[0].validated
 
     @property
     def is_chat(self) -> bool:
-        return self.prepared.validated.is_chat
+        return self.validated.is_chat
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.prepared[0].request.num_prompt_tokens
 
     def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.response_id,
             "object": kind,
             "created": self.created,
-            "model": self.prepared.validated.model,
+            "model": self.validated.model,
             "choices": choices,
         }
 
-    def chunk(self, chunk: StreamChunk, *, first: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None}
+    def chunk(self, index: int, chunk: StreamChunk) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "logprobs": None}
+        first = index not in self.num_tokens_sent
         if self.is_chat:
             choice["delta"] = {"content": chunk.text}
             if first:
@@ -144,37 +153,39 @@ class Reply:
         choice["finish_reason"] = chunk.finish_reason
         kind = "chat.completion.chunk" if self.is_chat else "text_completion"
         body = self._envelope(kind, [choice])
-        self.num_tokens_sent += len(chunk.token_ids)
-        validated = self.prepared.validated
-        if validated.continuous_usage:
-            so_far = Usage(self.prepared.request.num_prompt_tokens, self.num_tokens_sent)
-            body["usage"] = _usage(chunk.usage or so_far)
-        elif validated.include_usage:
+        self.num_tokens_sent[index] = self.num_tokens_sent.get(index, 0) + len(chunk.token_ids)
+        if self.validated.continuous_usage:
+            body["usage"] = _usage(self.num_prompt_tokens, self.num_tokens_sent[index])
+        elif self.validated.include_usage:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, last: StreamChunk) -> dict[str, Any] | None:
+    def usage_chunk(self) -> dict[str, Any] | None:
         """The last chunk of a stream that asked for usage: no choices, the usage."""
-        if not self.prepared.validated.include_usage or last.usage is None:
+        if not self.validated.include_usage:
             return None
         kind = "chat.completion.chunk" if self.is_chat else "text_completion"
-        return {**self._envelope(kind, []), "usage": _usage(last.usage)}
+        completion = sum(self.num_tokens_sent.values())
+        return {**self._envelope(kind, []), "usage": _usage(self.num_prompt_tokens, completion)}
 
-    def whole(self, text: str, last: StreamChunk) -> dict[str, Any]:
-        assert last.usage is not None
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
-        if self.is_chat:
-            choice["message"] = {"role": "assistant", "content": text}
-            kind = "chat.completion"
-        else:
-            choice["text"] = text
-            kind = "text_completion"
-        choice["stop_reason"] = None
-        return {**self._envelope(kind, [choice]), "usage": _usage(last.usage)}
+    def whole(self, texts: list[str], lasts: list[StreamChunk]) -> dict[str, Any]:
+        choices = []
+        for index, (text, last) in enumerate(zip(texts, lasts, strict=True)):
+            choice: dict[str, Any] = {"index": index, "logprobs": None}
+            choice["finish_reason"] = last.finish_reason
+            if self.is_chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice["stop_reason"] = None
+            choices.append(choice)
+        completion = sum(last.usage.completion_tokens for last in lasts if last.usage)
+        kind = "chat.completion" if self.is_chat else "text_completion"
+        usage = _usage(self.num_prompt_tokens, completion)
+        return {**self._envelope(kind, choices), "usage": usage}
 
 
-def _usage(usage: Usage) -> dict[str, int]:
-    prompt, completion = usage.prompt_tokens, usage.completion_tokens
+def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -186,26 +197,73 @@ def _data(body: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-async def sse_events(
-    reply: Reply, first: StreamChunk, rest: AsyncIterator[StreamChunk]
-) -> AsyncIterator[bytes]:
-    """The stream's events; a failure after the first (the engines failed more often than the
-    request may move, or an error of ours) is an OpenAI error event, then [DONE], as vLLM does:
-    the status line has gone out already."""
-    yield _data(reply.chunk(first, first=True))
-    last = first
+async def merged(
+    streams: list[AsyncIterator[StreamChunk]],
+) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """The chunks of `n` streams as they come, each with its stream's index; the first failure
+    ends them all. Closing this closes every stream (which cancels its request)."""
+    if len(streams) == 1:
+        try:
+            async for chunk in streams[0]:
+                yield 0, chunk
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, StreamChunk | None, BaseException | None]] = asyncio.Queue(
+        maxsize=len(streams)
+    )
+
+    async def pump(index: int, stream: AsyncIterator[StreamChunk]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put((index, chunk, None))
+            await queue.put((index, None, None))
+        except Exception as exc:
+            await queue.put((index, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        async for chunk in rest:
-            yield _data(reply.chunk(chunk, first=False))
-            last = chunk
+        num_open = len(streams)
+        while num_open:
+            index, chunk, error = await queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                num_open -= 1
+                continue
+            yield index, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def sse_events(
+    reply: Reply,
+    firsts: list[StreamChunk],
+    rest: AsyncIterator[tuple[int, StreamChunk]],
+) -> AsyncIterator[bytes]:
+    """The stream's events: each choice's first chunk (already out when the status line was
+    sent), then the rest as they come; a failure after the first (the engines failed more
+    often than the request may move, or an error of ours) is an OpenAI error event, then
+    [DONE], as vLLM does: the status line has gone out already."""
+    try:
+        for index, first in enumerate(firsts):
+            yield _data(reply.chunk(index, first))
+        async for index, chunk in rest:
+            yield _data(reply.chunk(index, chunk))
     except Exception as exc:
         status, kind = _failure_status(exc)
         error = {"message": _short(exc), "type": kind, "param": None, "code": status}
         yield _data({"error": error})
     else:
-        usage = reply.usage_chunk(last)
+        usage = reply.usage_chunk()
         if usage is not None:
             yield _data(usage)
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
     yield b"data: [DONE]\n\n"
 
 
@@ -216,14 +274,17 @@ def _failure_status(exc: BaseException) -> tuple[int, str]:
     return 500, "internal_error"
 
 
-async def whole_response(reply: Reply, chunks: AsyncIterator[StreamChunk]) -> dict[str, Any]:
-    texts: list[str] = []
-    last: StreamChunk | None = None
-    async for chunk in chunks:
-        texts.append(chunk.text)
-        last = chunk
-    assert last is not None
-    return reply.whole("".join(texts), last)
+async def whole_response(
+    reply: Reply, chunks: AsyncIterator[tuple[int, StreamChunk]]
+) -> dict[str, Any]:
+    texts: list[list[str]] = [[] for _ in reply.prepared]
+    lasts: list[StreamChunk | None] = [None for _ in reply.prepared]
+    async for index, chunk in chunks:
+        texts[index].append(chunk.text)
+        lasts[index] = chunk
+    done = [last for last in lasts if last is not None]
+    assert len(done) == len(lasts)
+    return reply.whole(["".join(t) for t in texts], done)
 
 
 # What a client's X-Request-Id (or body request_id) may hold: it names the request in the
@@ -267,12 +328,13 @@ async def openai_generate(
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
         # The engines need an id no other request has, whatever the client sent.
         engine_id = f"{response_id}-{uuid.uuid4().hex[:8]}" if client_id else response_id
-        prepared = await service.prepare_async(body, engine_id, caller=caller)
+        prepared = service.choices(await service.prepare_async(body, engine_id, caller=caller))
         reply = Reply(prepared, response_id, int(time.time()))
-        chunks = service.stream(prepared)
-        if not prepared.validated.stream:
-            return JSONResponse(await whole_response(reply, chunks), headers=_echo(client_id))
-        first = await chunks.__anext__()
+        streams = [service.stream(p) for p in prepared]
+        if not reply.validated.stream:
+            whole = await whole_response(reply, merged(streams))
+            return JSONResponse(whole, headers=_echo(client_id))
+        firsts = await _firsts(streams)
     except InvalidRequest as exc:
         service.record_refusal("invalid")
         return error_response(400, str(exc), "invalid_request_error", exc.field)
@@ -285,8 +347,21 @@ async def openai_generate(
     except StreamInterrupted as exc:  # counted by the service, as an error
         return error_response(503, str(exc), "service_unavailable")
     return StreamingResponse(
-        sse_events(reply, first, chunks), media_type="text/event-stream", headers=_echo(client_id)
+        sse_events(reply, firsts, merged(streams)),
+        media_type="text/event-stream",
+        headers=_echo(client_id),
     )
+
+
+async def _firsts(streams: list[AsyncIterator[StreamChunk]]) -> list[StreamChunk]:
+    """Each choice's first chunk, so a refusal or failure before any still gets its status
+    code; if one fails, the others are closed (their requests cancelled)."""
+    try:
+        return list(await asyncio.gather(*(anext(s) for s in streams)))
+    except BaseException:
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]
+        raise
 
 
 def _echo(client_id: str | None) -> dict[str, str]:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from engine.messages import GenerationRequest, TokenEvent
@@ -158,6 +158,26 @@ class RouterService:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         request = GenerationRequest(request_id, tuple(prompt_ids), params)
         return PreparedRequest(validated, request, caller)
+
+    def choices(self, prepared: PreparedRequest) -> list[PreparedRequest]:
+        """One request per choice of `n` (OpenAI's parameter), as vLLM splits them: choice i is
+        `<id>-<i>`, sampling with seed + i when the request has a seed. Each is admitted and
+        counted as a request of its own."""
+        n = prepared.validated.n
+        if n == 1:
+            return [prepared]
+        request, seed = prepared.request, prepared.request.params.seed
+        return [
+            replace(
+                prepared,
+                request=replace(
+                    request,
+                    request_id=f"{request.request_id}-{i}",
+                    params=replace(request.params, seed=None if seed is None else seed + i),
+                ),
+            )
+            for i in range(n)
+        ]
 
     def _tokenize(self, validated: ValidatedRequest) -> list[int]:
         special = validated.add_special_tokens

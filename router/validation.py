@@ -61,6 +61,8 @@ class RequestLimits:
     # The detokenizer scans each stop string on every token: their length bounds its cost.
     max_stop_chars: int = 256
     max_messages: int = 1024
+    # Choices per request (OpenAI's `n`): each is a request of its own in the pools.
+    max_n: int = 8
 
     def __post_init__(self) -> None:
         if not self.served_models:
@@ -98,6 +100,7 @@ class ValidatedRequest:
     continuous_usage: bool = False
     # None: the endpoint's default (prompts get the tokenizer's special tokens, chat does not).
     add_special_tokens: bool | None = None
+    n: int = 1
 
     @property
     def is_chat(self) -> bool:
@@ -141,6 +144,11 @@ def validate_request(body: Mapping[str, Any], limits: RequestLimits) -> Validate
         ),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
     )
+    n = _optional_int(body, "n", 1, limits.max_n) or 1
+    if params.seed is not None and params.seed + n - 1 > MAX_SEED:
+        raise InvalidRequest(
+            "seed", f"plus n - 1 (choice i samples with seed + i) must be <= {MAX_SEED}"
+        )
     stream = _optional_bool(body, "stream")
     include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
     add_special_tokens = body.get("add_special_tokens")
@@ -159,6 +167,7 @@ def validate_request(body: Mapping[str, Any], limits: RequestLimits) -> Validate
         include_usage=include_usage,
         continuous_usage=continuous_usage,
         add_special_tokens=add_special_tokens,
+        n=n,
     )
 
 

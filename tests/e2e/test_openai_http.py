@@ -1,11 +1,19 @@
 """The `openai` package against `/v1`: completions and chat completions, streaming and not,
-give the same text as the monolithic engine; `/v1/models` lists the served model."""
+give the same text as the monolithic engine; `/v1/models` lists the served model; vLLM's own
+benchmark client and sampling fields work as against vLLM."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from engine.local import LocalEngine
+from engine.params import GenerationParams
 from tests.builders import make_greedy
 from tests.e2e.conftest import ServedApp
 
@@ -81,3 +89,149 @@ def test_models_and_errors(serve_apps: dict[str, ServedApp]) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt="hi", max_tokens=0)  # type: ignore[attr-defined]
     assert "max_tokens" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("backend", "endpoint"),
+    [("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")],
+)
+def test_vllm_bench_serve_runs_without_failures(
+    serve_apps: dict[str, ServedApp], tiny_model: Path, tmp_path: Path, backend: str, endpoint: str
+) -> None:
+    """vLLM's own client, as the README runs it: every request succeeds and its tokens count."""
+    app = serve_apps["nixl"]
+    command = [sys.executable, "-m", "bench.vllm_bench", "serve", "--backend", backend]
+    command += ["--base-url", f"http://127.0.0.1:{app.http_port}/{app.name}"]
+    command += ["--endpoint", endpoint, "--model", "tiny", "--tokenizer", str(tiny_model)]
+    command += ["--dataset-name", "random", "--random-input-len", "24"]
+    command += ["--random-output-len", "6", "--num-prompts", "6", "--ignore-eos"]
+    command += ["--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
+    env = {**os.environ, "OPENAI_API_KEY": app.api_key or ""}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert (result["completed"], result["failed"]) == (6, 0), result.get("errors")
+    assert result["total_output_tokens"] == 6 * 6
+
+
+def test_vllm_sampling_fields_are_honoured_as_the_engine_does(
+    serve_apps: dict[str, ServedApp], tiny_engine: LocalEngine
+) -> None:
+    """Penalties, min_p and a negative seed reach both pools: the disaggregated answer equals
+    the monolithic engine's with the same parameters."""
+    client = _client(serve_apps["nixl"])
+    extra = {"ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.05, "top_k": -1}
+    params = GenerationParams(
+        max_tokens=12,
+        temperature=0.8,
+        seed=-7,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+    )
+    want = tiny_engine.generate([tiny_engine.encode(PROMPT)], params)[0]
+    got = client.completions.create(  # type: ignore[attr-defined]
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0.8,
+        seed=-7,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        user="someone",
+        extra_body=extra,
+    )
+    assert got.choices[0].text == tiny_engine.tokenizer.decode(
+        want.token_ids, skip_special_tokens=True
+    )
+    # A stop token id ends the answer at that token, as in vLLM.
+    greedy = tiny_engine.generate([tiny_engine.encode(PROMPT)], make_greedy(12, ignore_eos=True))
+    stop_id = greedy[0].token_ids[5]
+    stopped = client.completions.create(  # type: ignore[attr-defined]
+        model="tiny", prompt=PROMPT, max_tokens=12, extra_body={"stop_token_ids": [stop_id]}
+    )
+    cut = greedy[0].token_ids[: greedy[0].token_ids.index(stop_id) + 1]
+    assert stopped.usage.completion_tokens == len(cut)
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_request_ids_and_streamed_usage_as_vllm_sends_them(
+    serve_apps: dict[str, ServedApp],
+) -> None:
+    import httpx
+
+    app = serve_apps["nixl"]
+    headers = {**app.http_headers, "X-Request-Id": "trace-42"}
+    body = {"model": "tiny", "messages": CHAT, "max_completion_tokens": 4, "ignore_eos": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True}, "n": 1, "logprobs": False}
+    with httpx.stream(
+        "POST", f"{app.openai_base}/chat/completions", json=body, headers=headers, timeout=120
+    ) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["x-request-id"] == "trace-42"
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["id"] for c in chunks} == {"chatcmpl-trace-42"}
+    *tokens, usage = chunks
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+    assert sum(1 for c in tokens if c["choices"][0]["delta"].get("content")) >= 1
+    refused = httpx.post(
+        f"{app.openai_base}/completions",
+        json={"model": "tiny", "prompt": "hi", "echo": True},
+        headers=app.http_headers,
+        timeout=60,
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+
+
+def test_n_choices_each_match_the_engine_with_its_seed(
+    serve_apps: dict[str, ServedApp], tiny_engine: LocalEngine
+) -> None:
+    """n=2 through the disaggregated app: choice i is the monolithic engine's answer sampled
+    with seed + i (as vLLM seeds its choices); usage counts the prompt once."""
+    client = _client(serve_apps["nixl"])
+    prompt_ids = tiny_engine.encode(PROMPT)
+    wants = [
+        tiny_engine.tokenizer.decode(
+            tiny_engine.generate(
+                [prompt_ids],
+                GenerationParams(max_tokens=8, temperature=1.0, seed=40 + i, ignore_eos=True),
+            )[0].token_ids,
+            skip_special_tokens=True,
+        )
+        for i in range(2)
+    ]
+    whole = client.completions.create(  # type: ignore[attr-defined]
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=1.0,
+        seed=40,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == wants
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    assert whole.usage.completion_tokens == 16
+    stream = client.completions.create(  # type: ignore[attr-defined]
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=1.0,
+        seed=40,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    texts = ["", ""]
+    usage = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert texts == wants
+    assert usage is not None and usage.completion_tokens == 16

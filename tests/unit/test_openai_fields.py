@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from router.admission import AdmissionLimits
-from router.openai_api import Reply, sse_events, whole_response
+from router.openai_api import Reply, merged, sse_events, whole_response
 from router.openai_fields import AT_DEFAULT_ONLY, HONOURED, IGNORED, KNOWN
 from router.service import RouterService
 from router.validation import RequestLimits
@@ -74,11 +74,11 @@ def body_for(chat: bool, **fields: Any) -> dict[str, Any]:
 
 async def stream_events(chat: bool, **fields: Any) -> list[dict[str, Any]]:
     service = make_service()
-    prepared = service.prepare(body_for(chat, stream=True, **fields), "req-1")
-    chunks = service.stream(prepared)
-    first = await anext(chunks)
+    prepared = service.choices(service.prepare(body_for(chat, stream=True, **fields), "req-1"))
+    streams = [service.stream(p) for p in prepared]
+    firsts = [await anext(s) for s in streams]
     reply = Reply(prepared, "chatcmpl-1" if chat else "cmpl-1", 1)
-    events = [e.decode() async for e in sse_events(reply, first, chunks)]
+    events = [e.decode() async for e in sse_events(reply, firsts, merged(streams))]
     assert events[-1] == "data: [DONE]\n\n"
     return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
 
@@ -113,12 +113,32 @@ async def test_stream_chunks_parse_as_vllms_and_usage_comes_only_when_asked(
 @pytest.mark.parametrize("chat", [False, True])
 async def test_whole_responses_parse_as_vllms(chat: bool, vllm_protocol: dict[str, Any]) -> None:
     service = make_service()
-    prepared = service.prepare(body_for(chat), "req-1")
+    prepared = service.choices(service.prepare(body_for(chat, n=3, seed=11), "req-1"))
+    assert [p.request.request_id for p in prepared] == ["req-1-0", "req-1-1", "req-1-2"]
+    assert [p.request.params.seed for p in prepared] == [11, 12, 13]  # as vLLM seeds choices
     reply = Reply(prepared, "chatcmpl-1" if chat else "cmpl-1", 1)
-    body = await whole_response(reply, service.stream(prepared))
+    body = await whole_response(reply, merged([service.stream(p) for p in prepared]))
     model = vllm_protocol["whole"][chat]
     parsed = model.model_validate(body)
     assert set(body) <= set(model.model_fields)
     assert set(body["choices"][0]) <= set(type(parsed.choices[0]).model_fields)
-    text = body["choices"][0]["message"]["content"] if chat else body["choices"][0]["text"]
-    assert text == "World" and body["usage"]["completion_tokens"] == 5
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    for choice in body["choices"]:
+        assert (choice["message"]["content"] if chat else choice["text"]) == "World"
+    prompt = prepared[0].request.num_prompt_tokens  # counted once, as vLLM does
+    assert body["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": 15,
+        "total_tokens": prompt + 15,
+    }
+
+
+async def test_n_streams_interleave_each_choice_whole_and_usage_sums() -> None:
+    events = await stream_events(False, n=2, stream_options={"include_usage": True})
+    *tokens, usage = events
+    texts = {0: "", 1: ""}
+    for event in tokens:
+        (choice,) = event["choices"]
+        texts[choice["index"]] += choice["text"]
+    assert texts == {0: "World", 1: "World"}
+    assert usage["usage"]["completion_tokens"] == 10

@@ -267,15 +267,15 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
 
 
 async def test_an_sse_stream_failing_after_it_started_ends_with_an_error_event_and_done() -> None:
-    from router.openai_api import Reply, sse_events
+    from router.openai_api import Reply, merged, sse_events
 
     service, finished = make_service(FakePrefill(), FakeDecode("orld", error_at=0))
     body = {"prompt": "hello", "stream": True, "stream_options": {"include_usage": True}}
     prepared = service.prepare(body, "req-1")
     chunks = service.stream(prepared)
     first = await anext(chunks)
-    reply = Reply(prepared, "cmpl-1", 0)
-    events = [e.decode() async for e in sse_events(reply, first, chunks)]
+    reply = Reply([prepared], "cmpl-1", 0)
+    events = [e.decode() async for e in sse_events(reply, [first], merged([chunks]))]
     *data, error, done = events
     assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in data) == "Wor"
     body = json.loads(error.removeprefix("data: "))["error"]
