@@ -47,6 +47,10 @@ class TransferMetrics:
             boundaries=_BYTES_BOUNDARIES,
             tag_keys=keys,
         )
+        # Export the load counters at 0 from the start, so a dashboard or alert on failures
+        # reads 0 rather than "no data" until the first one (Ray's public `inc` refuses 0).
+        for counter in (self.loads, self.load_failures, self.recomputed_tokens):
+            counter._record(0, tags=self._load_tags)
 
     def observe_loads(self, total: KVLoadCounts) -> None:
         """Export the loads made since the last call (`total` is the engine's running count)."""

@@ -40,6 +40,9 @@ class RouterMetrics:
             "requests moved to other replicas after an engine, replica or transfer failed",
             tag_keys=tags,
         )
+        # Exported at 0 from the start (a dashboard reads 0, not "no data", until the first
+        # move); Ray's public `inc` refuses 0.
+        self.migrations._record(0, tags=self._tags)
 
     def count_migration(self) -> None:
         self.migrations.inc(1, tags=self._tags)
