@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from engine.async_engine import ServedEngine, engine_times, start_async_engine
 from engine.messages import GenerationRequest, TokenEvent
-from engine.sampling import to_sampling_params
+from engine.sampling import logprobs_of, to_sampling_params
 from engine.settings import EngineSettings
 from prefill_workers.replica import ReplicaSettings, ReplicaShell
 
@@ -38,6 +38,7 @@ class ColocatedEngine(ServedEngine):
         ):
             completion = output.outputs[0]
             new_ids = tuple(int(t) for t in completion.token_ids)  # delta outputs: the new ids
+            logprobs = logprobs_of(completion, request.params)
             if not new_ids and completion.finish_reason is None:
                 continue
             if num_seen == 0 and new_ids:
@@ -48,16 +49,18 @@ class ColocatedEngine(ServedEngine):
                     is_first=True,
                     prefill_seconds=compute_s,
                     replica_id=self.worker_id,
+                    logprobs=logprobs[:1] if logprobs is not None else None,
                 )
                 yield first
                 num_seen = 1
                 new_ids = new_ids[1:]
+                logprobs = logprobs[1:] if logprobs is not None else None
                 if not new_ids and first.finish_reason is not None:
                     return
                 if not new_ids and completion.finish_reason is None:
                     continue
             num_seen += len(new_ids)
-            yield TokenEvent(new_ids, completion.finish_reason)
+            yield TokenEvent(new_ids, completion.finish_reason, logprobs=logprobs)
 
 
 class ColocatedServer(ReplicaShell):

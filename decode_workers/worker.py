@@ -18,7 +18,7 @@ from engine.messages import (
     KVTransferError,
     TokenEvent,
 )
-from engine.sampling import to_sampling_params
+from engine.sampling import logprobs_of, to_sampling_params
 from kv_transfer.endpoint import KVEndpoint
 
 
@@ -61,6 +61,7 @@ class DecodeWorker(KVEndpoint):
         ):
             completion = output.outputs[0]
             new_ids = [int(t) for t in completion.token_ids]  # delta outputs: the new ids
+            logprobs = logprobs_of(completion, request.params)
             if not load_recorded:
                 # The first output settles the load: vLLM counts the prompt tokens it did not
                 # compute (loaded from the producer, or prefix-cached here).
@@ -78,13 +79,19 @@ class DecodeWorker(KVEndpoint):
                         f"prefill sent {handoff.first_token}: refusing to continue"
                     )
                 new_ids = new_ids[1:]
+                logprobs = logprobs[1:] if logprobs is not None else None
                 num_seen = 1
             num_seen += len(new_ids)
             if new_ids or completion.finish_reason is not None:
                 # The first event names this replica (router timings show who decoded).
                 replica_id = "" if named else self.worker_id
                 named = True
-                yield TokenEvent(tuple(new_ids), completion.finish_reason, replica_id=replica_id)
+                yield TokenEvent(
+                    tuple(new_ids),
+                    completion.finish_reason,
+                    replica_id=replica_id,
+                    logprobs=logprobs,
+                )
 
     async def release(self, handoff: KVHandoff) -> None:
         """Give up a handoff without decoding it: the producer's KV is freed now, not at expiry."""

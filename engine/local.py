@@ -10,10 +10,11 @@ import os
 import time
 from dataclasses import dataclass
 
+from engine.messages import TokenLogprobs
 from engine.params import GenerationParams
 from engine.platform import pin_current_process
 from engine.prompts import encode_prompt
-from engine.sampling import to_sampling_params
+from engine.sampling import logprobs_of, to_sampling_params
 from engine.settings import EngineSettings
 
 
@@ -23,6 +24,8 @@ class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    # Per token, when the params asked for log-probabilities.
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 class LocalEngine:
@@ -56,6 +59,7 @@ class LocalEngine:
                 token_ids=list(out.outputs[0].token_ids),
                 text=out.outputs[0].text,
                 finish_reason=out.outputs[0].finish_reason,
+                logprobs=logprobs_of(out.outputs[0], params),
             )
             for out in outputs
         ]

@@ -228,6 +228,20 @@ class KVHandoff:
             )
 
 
+# One sampled token's log-probabilities: (token id, logprob) pairs, the sampled token first, then
+# the most likely tokens by rank (as many as the request asked for).
+TokenLogprobs = tuple[tuple[int, float], ...]
+
+
+def token_logprobs(sampled: int, candidates: Mapping[int, Any], top: int) -> TokenLogprobs:
+    """vLLM's per-token dict (token id -> Logprob with .logprob and .rank: the `top` most
+    likely tokens, and the sampled one whatever its rank) as TokenLogprobs: the sampled token,
+    then the `top` most likely by rank (the sampled one among them when it ranks there)."""
+    ranked = sorted(candidates.items(), key=lambda item: item[1].rank or 0)
+    top_pairs = [(int(t), float(lp.logprob)) for t, lp in ranked if (lp.rank or 0) <= top]
+    return ((sampled, float(candidates[sampled].logprob)), *top_pairs)
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     """What a prefill worker returns. Whoever receives it owns the handoff's lease: it must go
@@ -241,6 +255,8 @@ class PrefillResult:
     prefill_seconds: float
     # Time the request waited in the engine's queue before it was scheduled.
     engine_queue_seconds: float = 0.0
+    # The first token's log-probabilities, when the request asked for them.
+    first_logprobs: TokenLogprobs | None = None
 
     @property
     def first_token(self) -> int:
@@ -262,6 +278,8 @@ class TokenEvent:
     # The engine replica (worker id) that produced these tokens: set on the first event of each
     # phase (prefill's first token; decode's first event), so timings can say who served.
     replica_id: str = ""
+    # One entry per token of `token_ids` when the request asked for log-probabilities.
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)

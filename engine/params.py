@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_TOKENS_LIMIT = 32_768
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class GenerationParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
+    # Log-probabilities of each sampled token and of this many most likely ones (None: none).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -47,6 +50,8 @@ class GenerationParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 0.0 < self.repetition_penalty < float("inf"):
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 

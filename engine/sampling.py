@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.messages import TokenLogprobs, token_logprobs
 from engine.params import GenerationParams
 
 
@@ -33,7 +34,19 @@ def to_sampling_params(
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         stop_token_ids=list(params.stop_token_ids) or None,
+        logprobs=params.logprobs,
         extra_args=extra_args,
         output_kind=RequestOutputKind.DELTA if served else RequestOutputKind.CUMULATIVE,
         detokenize=not served,
+    )
+
+
+def logprobs_of(completion: Any, params: GenerationParams) -> tuple[TokenLogprobs, ...] | None:
+    """The log-probabilities of a vLLM output's (new) tokens, one entry per token id; None
+    when the request asked for none."""
+    if params.logprobs is None or getattr(completion, "logprobs", None) is None:
+        return None
+    return tuple(
+        token_logprobs(int(t), candidates, params.logprobs)
+        for t, candidates in zip(completion.token_ids, completion.logprobs, strict=True)
     )

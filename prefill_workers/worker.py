@@ -13,7 +13,7 @@ import uuid
 
 from engine.async_engine import engine_times
 from engine.messages import GenerationRequest, KVHandoff, KVTransferError, PrefillResult
-from engine.sampling import to_sampling_params
+from engine.sampling import logprobs_of, to_sampling_params
 from engine.settings import EngineSettings
 from kv_transfer.base import TransferSettings
 from kv_transfer.endpoint import KVEndpoint
@@ -82,7 +82,9 @@ class PrefillWorker(KVEndpoint):
             pull=self.backend.parse_producer_output(params),
         )
         queue_s, compute_s = engine_times(final.metrics, elapsed)
-        return PrefillResult(handoff, finish_reason, compute_s, queue_s)
+        logprobs = logprobs_of(completion, request.params)
+        first_logprobs = logprobs[0] if logprobs else None
+        return PrefillResult(handoff, finish_reason, compute_s, queue_s, first_logprobs)
 
     async def abort(self, request_id: str) -> None:
         """Stop the prefill; if the engine stored its KV all the same (it finished just as the

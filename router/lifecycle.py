@@ -227,6 +227,7 @@ async def _one_attempt(
             is_first=True,
             prefill_seconds=result.prefill_seconds,
             replica_id=result.handoff.producer_id,
+            logprobs=(result.first_logprobs,) if result.first_logprobs is not None else None,
         )
         if result.finish_reason is not None:
             return

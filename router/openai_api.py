@@ -12,7 +12,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from engine.messages import TokenLogprobs
 from router.auth import Unauthenticated
 from router.lifecycle import StreamInterrupted
 from router.service import (
@@ -117,7 +118,11 @@ class Reply:
     prepared: list[PreparedRequest]
     response_id: str
     created: int
+    # Turns token ids into the text of log-probability entries (None: the request asked none).
+    tokenizer: Any = None
     num_tokens_sent: dict[int, int] = field(default_factory=dict)
+    num_chars_sent: dict[int, int] = field(default_factory=dict)
+    _token_texts: dict[int, str] = field(default_factory=dict)
 
     @property
     def validated(self) -> ValidatedRequest:
@@ -140,8 +145,46 @@ class Reply:
             "choices": choices,
         }
 
+    def _text_of(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = str(self.tokenizer.decode([token_id]))
+        return text
+
+    def logprobs(self, entries: Sequence[TokenLogprobs] | None, offset: int) -> Any:
+        """A choice's `logprobs` for these tokens in OpenAI's shape (completions: parallel
+        lists, text offsets from `offset`; chat: one entry per token), or None."""
+        if entries is None or self.validated.params.logprobs is None:
+            return None
+        if self.is_chat:
+            return {"content": [self._chat_entry(pairs) for pairs in entries]}
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for (sampled, logprob), *top in entries:
+            text = self._text_of(sampled)
+            tokens.append(text)
+            token_logprobs.append(max(logprob, -9999.0))
+            tops.append({self._text_of(t): max(lp, -9999.0) for t, lp in top})
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": token_logprobs,
+            "tokens": tokens,
+            "top_logprobs": tops,
+        }
+
+    def _chat_entry(self, pairs: TokenLogprobs) -> dict[str, Any]:
+        def one(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._text_of(token_id)
+            return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
+
+        (sampled, logprob), *top = pairs
+        return {**one(sampled, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
+
     def chunk(self, index: int, chunk: StreamChunk) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "logprobs": None}
+        offset = self.num_chars_sent.get(index, 0)
+        self.num_chars_sent[index] = offset + len(chunk.text)
+        choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(chunk.logprobs, offset)}
         first = index not in self.num_tokens_sent
         if self.is_chat:
             choice["delta"] = {"content": chunk.text}
@@ -168,10 +211,15 @@ class Reply:
         completion = sum(self.num_tokens_sent.values())
         return {**self._envelope(kind, []), "usage": _usage(self.num_prompt_tokens, completion)}
 
-    def whole(self, texts: list[str], lasts: list[StreamChunk]) -> dict[str, Any]:
+    def whole(
+        self,
+        texts: list[str],
+        lasts: list[StreamChunk],
+        logprobs: list[list[TokenLogprobs]],
+    ) -> dict[str, Any]:
         choices = []
         for index, (text, last) in enumerate(zip(texts, lasts, strict=True)):
-            choice: dict[str, Any] = {"index": index, "logprobs": None}
+            choice: dict[str, Any] = {"index": index, "logprobs": self.logprobs(logprobs[index], 0)}
             choice["finish_reason"] = last.finish_reason
             if self.is_chat:
                 choice["message"] = {"role": "assistant", "content": text}
@@ -279,12 +327,14 @@ async def whole_response(
 ) -> dict[str, Any]:
     texts: list[list[str]] = [[] for _ in reply.prepared]
     lasts: list[StreamChunk | None] = [None for _ in reply.prepared]
+    logprobs: list[list[TokenLogprobs]] = [[] for _ in reply.prepared]
     async for index, chunk in chunks:
         texts[index].append(chunk.text)
         lasts[index] = chunk
+        logprobs[index].extend(chunk.logprobs or ())
     done = [last for last in lasts if last is not None]
     assert len(done) == len(lasts)
-    return reply.whole(["".join(t) for t in texts], done)
+    return reply.whole(["".join(t) for t in texts], done, logprobs)
 
 
 # What a client's X-Request-Id (or body request_id) may hold: it names the request in the
@@ -329,7 +379,7 @@ async def openai_generate(
         # The engines need an id no other request has, whatever the client sent.
         engine_id = f"{response_id}-{uuid.uuid4().hex[:8]}" if client_id else response_id
         prepared = service.choices(await service.prepare_async(body, engine_id, caller=caller))
-        reply = Reply(prepared, response_id, int(time.time()))
+        reply = Reply(prepared, response_id, int(time.time()), service.tokenizer)
         streams = [service.stream(p) for p in prepared]
         if not reply.validated.stream:
             whole = await whole_response(reply, merged(streams))

@@ -25,7 +25,7 @@ HONOURED = frozenset(
     {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream"}
     | {"stream_options", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p"}
     | {"seed", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty"}
-    | {"repetition_penalty", "add_special_tokens", "request_id", "n"}
+    | {"repetition_penalty", "add_special_tokens", "request_id", "n", "logprobs", "top_logprobs"}
 )
 
 IGNORED = frozenset(
@@ -35,8 +35,6 @@ IGNORED = frozenset(
 
 # field -> the values that mean "vLLM's default" (null always does).
 AT_DEFAULT_ONLY: Mapping[str, tuple[Any, ...]] = {
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "prompt_logprobs": (),
     "echo": (False,),
     "suffix": (),

@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from engine.messages import GenerationRequest, TokenEvent
+from engine.messages import GenerationRequest, TokenEvent, TokenLogprobs
 from router.admission import (
     AdmissionLimits,
     AdmissionState,
@@ -63,6 +63,8 @@ class StreamChunk:
     timings: RequestTimings
     # Set on the last chunk only.
     usage: Usage | None = None
+    # One entry per token of `token_ids` when the request asked for log-probabilities.
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -249,11 +251,22 @@ class RouterService:
                         outcome = "ok"
                         usage = Usage(request.num_prompt_tokens, clock.num_tokens)
                         yield StreamChunk(
-                            request.request_id, text, event.token_ids, finish, timings, usage
+                            request.request_id,
+                            text,
+                            event.token_ids,
+                            finish,
+                            timings,
+                            usage,
+                            event.logprobs,
                         )
                         return
                     yield StreamChunk(
-                        request.request_id, text, event.token_ids, None, clock.snapshot()
+                        request.request_id,
+                        text,
+                        event.token_ids,
+                        None,
+                        clock.snapshot(),
+                        logprobs=event.logprobs,
                     )
                 outcome = "error"  # the engines ended the stream without a finish reason
                 raise RuntimeError(f"request {request.request_id} ended without a finish reason")

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.params import MAX_TOKENS_LIMIT, GenerationParams
+from engine.params import MAX_LOGPROBS, MAX_TOKENS_LIMIT, GenerationParams
 from router.openai_fields import first_unsupported
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
@@ -143,6 +143,7 @@ def validate_request(body: Mapping[str, Any], limits: RequestLimits) -> Validate
             body, "repetition_penalty", 0.0, 1e6, default=1.0, low_open=True
         ),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
+        logprobs=_logprobs(body, is_chat=messages is not None),
     )
     n = _optional_int(body, "n", 1, limits.max_n) or 1
     if params.seed is not None and params.seed + n - 1 > MAX_SEED:
@@ -324,6 +325,19 @@ def _stop_token_ids(raw: object) -> tuple[int, ...]:
             "stop_token_ids", f"holds {len(raw)} ids; at most {MAX_STOP_TOKEN_IDS} are accepted"
         )
     return tuple(raw)
+
+
+def _logprobs(body: Mapping[str, Any], *, is_chat: bool) -> int | None:
+    """How many top log-probabilities to return per token (0: the sampled token's only), or
+    None. Completions send a count in `logprobs`; chat sends `logprobs: true` and a count in
+    `top_logprobs`."""
+    if not is_chat:
+        return _optional_int(body, "logprobs", 0, MAX_LOGPROBS)
+    wanted = _optional_bool(body, "logprobs")
+    top = _optional_int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top and not wanted:
+        raise InvalidRequest("top_logprobs", "needs logprobs: true")
+    return (top or 0) if wanted else None
 
 
 def _stream_options(raw: object, stream: bool) -> tuple[bool, bool]:

@@ -235,3 +235,45 @@ def test_n_choices_each_match_the_engine_with_its_seed(
         usage = chunk.usage or usage
     assert texts == wants
     assert usage is not None and usage.completion_tokens == 16
+
+
+@pytest.mark.parametrize("key", ["nixl", "colocated"])
+def test_logprobs_are_the_engines_the_first_from_prefill(
+    serve_apps: dict[str, ServedApp], tiny_engine: LocalEngine, key: str
+) -> None:
+    """Completions with logprobs=2 and chat with top_logprobs=2: each token's log-probability
+    and its two most likely alternatives equal the monolithic engine's (the first token's come
+    from the prefill engine, the rest from decode)."""
+    client = _client(serve_apps[key])
+    want = tiny_engine.generate(
+        [tiny_engine.encode(PROMPT)],
+        GenerationParams(max_tokens=6, ignore_eos=True, logprobs=2),
+    )[0]
+    assert want.logprobs is not None
+    text_of = {t: tiny_engine.tokenizer.decode([t]) for e in want.logprobs for t, _ in e}
+    got = client.completions.create(  # type: ignore[attr-defined]
+        model="tiny", prompt=PROMPT, max_tokens=6, logprobs=2, extra_body={"ignore_eos": True}
+    )
+    lp = got.choices[0].logprobs
+    assert lp.tokens == [text_of[e[0][0]] for e in want.logprobs]
+    assert lp.token_logprobs == pytest.approx([e[0][1] for e in want.logprobs], abs=1e-3)
+    for top, entry in zip(lp.top_logprobs, want.logprobs, strict=True):
+        assert list(top) == [text_of[t] for t, _ in entry[1:]]
+        assert list(top.values()) == pytest.approx([v for _, v in entry[1:]], abs=1e-3)
+    chat = client.chat.completions.create(  # type: ignore[attr-defined]
+        model="tiny",
+        messages=CHAT,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    entries = [
+        e
+        for c in chat
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert len(entries) == 4 and all(len(e.top_logprobs) == 2 for e in entries)
+    assert all(e.logprob <= 0.0 and e.bytes == list(e.token.encode()) for e in entries)

@@ -5,15 +5,18 @@ and every response and stream chunk pdserve writes parses as vLLM's response mod
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from engine.messages import token_logprobs
 from router.admission import AdmissionLimits
 from router.openai_api import Reply, merged, sse_events, whole_response
 from router.openai_fields import AT_DEFAULT_ONLY, HONOURED, IGNORED, KNOWN
-from router.service import RouterService
-from router.validation import RequestLimits
+from router.service import RouterService, StreamChunk, Usage
+from router.timings import RequestTimings
+from router.validation import InvalidRequest, RequestLimits
 from tests.fakes import FakeDecode, FakeEngines, FakePrefill, FakeTokenizer
 
 MODEL = "fake"
@@ -142,3 +145,53 @@ async def test_n_streams_interleave_each_choice_whole_and_usage_sums() -> None:
         texts[choice["index"]] += choice["text"]
     assert texts == {0: "World", 1: "World"}
     assert usage["usage"]["completion_tokens"] == 10
+
+
+def test_token_logprobs_keep_the_sampled_token_then_the_top_by_rank() -> None:
+    from vllm.logprobs import Logprob
+
+    candidates = {7: Logprob(-2.5, rank=4), 3: Logprob(-0.1, rank=1), 9: Logprob(-1.0, rank=2)}
+    assert token_logprobs(7, candidates, top=2) == ((7, -2.5), (3, -0.1), (9, -1.0))
+    assert token_logprobs(3, candidates, top=1) == ((3, -0.1), (3, -0.1))
+    assert token_logprobs(3, candidates, top=0) == ((3, -0.1),)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_logprobs_parse_as_vllms_in_chunks_and_whole(
+    chat: bool, vllm_protocol: dict[str, Any]
+) -> None:
+    service = make_service()
+    asked = {"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2}
+    prepared = service.prepare(body_for(chat, stream=True, **asked), "req-1")
+    assert prepared.request.params.logprobs == 2
+    reply = Reply([prepared], "cmpl-1", 1, service.tokenizer)
+    entries = (((ord("W"), -0.5), (ord("W"), -0.5), (ord("V"), -1.5)),)
+    chunk = StreamChunk("req-1", "W", (ord("W"),), None, RequestTimings(), logprobs=entries)
+    event = reply.chunk(0, chunk)
+    vllm_protocol["stream"][chat].model_validate(event)
+    logprobs = event["choices"][0]["logprobs"]
+    if chat:
+        (entry,) = logprobs["content"]
+        assert (entry["token"], entry["logprob"], entry["bytes"]) == ("W", -0.5, [87])
+        assert [t["token"] for t in entry["top_logprobs"]] == ["W", "V"]
+    else:
+        assert logprobs == {
+            "text_offset": [0],
+            "token_logprobs": [-0.5],
+            "tokens": ["W"],
+            "top_logprobs": [{"W": -0.5, "V": -1.5}],
+        }
+    done = replace(chunk, finish_reason="length", usage=Usage(5, 1))
+    whole = reply.whole(["W"], [done], [list(entries)])
+    vllm_protocol["whole"][chat].model_validate(whole)
+    assert whole["choices"][0]["logprobs"] == logprobs
+
+
+def test_chat_top_logprobs_need_logprobs() -> None:
+    service = make_service()
+    with pytest.raises(InvalidRequest) as error:
+        service.prepare(body_for(True, top_logprobs=2), "req-1")
+    assert error.value.field == "top_logprobs"
+    with pytest.raises(InvalidRequest) as error:
+        service.prepare(body_for(False, logprobs=21), "req-1")
+    assert (error.value.field, "in [0, 20]" in str(error.value)) == ("logprobs", True)

@@ -72,7 +72,7 @@ def chat(*messages: Any) -> dict[str, Any]:
         (make_body(n=True), "n", "must be an integer"),
         (make_body(n=2, seed=2**63 - 1), "seed", "plus n - 1"),
         (make_body(echo=True), "echo", "not supported by pdserve; send False or None"),
-        (make_body(logprobs=5), "logprobs", "not supported"),
+        (make_body(logprobs=21), "logprobs", "in [0, 20]"),
         (make_body(response_format={"type": "json_object"}), "response_format", "not supported"),
         (make_body(stream_options={"include_usage": True}), "stream_options", "stream: true"),
         (make_body(stream=True, stream_options=[]), "stream_options", "must be an object"),
