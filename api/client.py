@@ -1,4 +1,4 @@
-"""Python clients for the PDServe gRPC service: `PDServeClient` (blocking) and
+"""Python clients for the `pdserve.v1.PDServeService` gRPC service: `PDServeClient` (blocking) and
 `AsyncPDServeClient` (grpc.aio), with the same methods and keyword arguments.
 
     with PDServeClient("localhost:9000", application="pdserve") as client:
@@ -28,7 +28,8 @@ from typing import Any, Self, TypedDict, Unpack
 import grpc
 import grpc.aio
 
-from api.gen import pdserve_pb2, pdserve_pb2_grpc
+from api.convert import finish_reason_name, role_value
+from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 
 # The API key clients send when none is given (as the `openai` package reads OPENAI_API_KEY).
 API_KEY_ENV = "PDSERVE_API_KEY"
@@ -69,14 +70,15 @@ def build_request(
 
     `messages` are OpenAI-style {"role": ..., "content": ...} dicts. Values are not checked
     here: the server validates every field and names the bad one in INVALID_ARGUMENT. Only
-    what the message cannot carry (another key in a chat message) is refused, not dropped.
+    what the message cannot carry is refused (ValueError), not dropped: another key in a chat
+    message, or a role that `pdserve.v1.Role` has no value for.
     """
     if isinstance(stop, str):
         stop = [stop]  # one stop string, not one per character
     return pdserve_pb2.GenerateRequest(
         model=model,
         prompt=prompt,
-        messages=[_chat_message(m) for m in messages or ()],
+        messages=[_chat_message(i, m) for i, m in enumerate(messages or ())],
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -88,6 +90,15 @@ def build_request(
     )
 
 
+def build_complete_request(
+    prompt: str | None = None, **options: Unpack[RequestOptions]
+) -> pdserve_pb2.CompleteRequest:
+    """`build_request` for Complete. A CompleteRequest has GenerateRequest's fields with the same
+    numbers (tests/unit/test_api_stubs.py holds them equal), so its wire form is the same."""
+    generate = build_request(prompt, **options)
+    return pdserve_pb2.CompleteRequest.FromString(generate.SerializeToString())
+
+
 @dataclass(frozen=True)
 class Completion:
     """A streamed completion put back together by `collect`."""
@@ -95,6 +106,7 @@ class Completion:
     request_id: str
     text: str
     token_ids: tuple[int, ...]
+    # "stop" or "length", as HTTP says it (the last chunk's pdserve.v1.FinishReason).
     finish_reason: str
     usage: pdserve_pb2.Usage
     # The last chunk's: the only one with every field set.
@@ -125,7 +137,7 @@ class PDServeClient:
         api_key: str | None = None,
     ) -> None:
         self._channel = grpc.insecure_channel(target)
-        self._stub = pdserve_pb2_grpc.PDServeStub(self._channel)
+        self._stub = pdserve_pb2_grpc.PDServeServiceStub(self._channel)
         self._call_options = _call_options(application, timeout_s, api_key)
 
     def generate(
@@ -141,7 +153,7 @@ class PDServeClient:
     def complete(
         self, prompt: str | None = None, **options: Unpack[RequestOptions]
     ) -> pdserve_pb2.CompleteResponse:
-        request = build_request(prompt, **options)
+        request = build_complete_request(prompt, **options)
         response: pdserve_pb2.CompleteResponse = self._stub.Complete(request, **self._call_options)
         return response
 
@@ -183,7 +195,7 @@ class AsyncPDServeClient:
         api_key: str | None = None,
     ) -> None:
         self._channel = grpc.aio.insecure_channel(target)
-        self._stub = pdserve_pb2_grpc.PDServeStub(self._channel)
+        self._stub = pdserve_pb2_grpc.PDServeServiceStub(self._channel)
         self._call_options = _call_options(application, timeout_s, api_key)
 
     async def generate(
@@ -200,7 +212,7 @@ class AsyncPDServeClient:
     async def complete(
         self, prompt: str | None = None, **options: Unpack[RequestOptions]
     ) -> pdserve_pb2.CompleteResponse:
-        request = build_request(prompt, **options)
+        request = build_complete_request(prompt, **options)
         response: pdserve_pb2.CompleteResponse = await self._stub.Complete(
             request, **self._call_options
         )
@@ -246,11 +258,16 @@ def _call_options(
     return {"metadata": tuple(metadata) or None, "timeout": timeout_s}
 
 
-def _chat_message(message: Mapping[str, str]) -> pdserve_pb2.ChatMessage:
+def _chat_message(index: int, message: Mapping[str, str]) -> pdserve_pb2.ChatMessage:
     extra = sorted(set(message) - {"role", "content"})
     if extra:
         raise ValueError(f"chat message field {extra[0]!r} is not supported: only role, content")
-    return pdserve_pb2.ChatMessage(role=message.get("role", ""), content=message.get("content", ""))
+    role = message.get("role")
+    return pdserve_pb2.ChatMessage(
+        # No role: left UNSPECIFIED, for the server to refuse by name like any missing field.
+        role=role_value(role, f"messages[{index}].role") if role is not None else None,
+        content=message.get("content", ""),
+    )
 
 
 def _join(responses: list[pdserve_pb2.GenerateResponse]) -> Completion:
@@ -261,7 +278,7 @@ def _join(responses: list[pdserve_pb2.GenerateResponse]) -> Completion:
         request_id=last.request_id,
         text="".join(r.text for r in responses),
         token_ids=tuple(token_id for r in responses for token_id in r.token_ids),
-        finish_reason=last.finish_reason,
+        finish_reason=finish_reason_name(last.finish_reason),
         usage=last.usage,
         timings=last.timings,
         num_chunks=len(responses),

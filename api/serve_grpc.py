@@ -1,5 +1,5 @@
-"""`pdserve.v1.PDServe` as registered on Ray Serve's gRPC proxy: the generated handlers, with a
-request parser that does not fail inside the proxy.
+"""`pdserve.v1.PDServeService` as registered on Ray Serve's gRPC proxy: the generated handlers,
+with a request parser that does not fail inside the proxy.
 
 The proxy parses each request with the handler's deserializer before any of our code runs; a
 corrupt message would end the call as UNKNOWN ("Wire format was corrupt"). Here a message that
@@ -15,9 +15,9 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from api.gen import pdserve_pb2_grpc
+from api.gen.pdserve.v1 import pdserve_pb2_grpc
 
-SERVICE = "pdserve.v1.PDServe"
+SERVICE = "pdserve.v1.PDServeService"
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,12 @@ class _Recorder:
 
 
 def add_PDServeServicer_to_server(servicer: Any, server: Any) -> None:
+    """The generated `add_PDServeServiceServicer_to_server`, with the tolerant parsers. Its name
+    is the one the Serve configs give (`api.serve_grpc.add_PDServeServicer_to_server`)."""
     import grpc
 
     recorder = _Recorder()
-    pdserve_pb2_grpc.add_PDServeServicer_to_server(servicer, recorder)
+    pdserve_pb2_grpc.add_PDServeServiceServicer_to_server(servicer, recorder)
     handlers = {
         name: handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
         for name, handler in recorder.handlers.items()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from api.gen import pdserve_pb2, pdserve_pb2_grpc
+from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from bench.stats import percentile
 
 
@@ -56,7 +56,7 @@ def _memory_kib(pid: int | None) -> dict[str, int]:
 
 
 async def _stream(
-    stub: pdserve_pb2_grpc.PDServeStub,
+    stub: pdserve_pb2_grpc.PDServeServiceStub,
     prompt: str,
     max_tokens: int,
     metadata: tuple[tuple[str, str], ...],
@@ -95,7 +95,7 @@ async def run(
     """The burst against `target` (`metadata` on every call: the key, the application);
     `router_pid`: whose memory to read (None: not read)."""
     async with grpc.aio.insecure_channel(target) as channel:
-        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        stub = pdserve_pb2_grpc.PDServeServiceStub(channel)
         firsts = [asyncio.Event() for _ in range(hold)]
         held = [
             asyncio.ensure_future(

@@ -21,7 +21,7 @@ import time
 
 import grpc
 
-from api.gen import pdserve_pb2, pdserve_pb2_grpc
+from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from bench.stats import percentile
 from router.validation import MAX_STOP_SEQUENCES, RequestLimits
 
@@ -33,7 +33,7 @@ def attack_stops(length: int = RequestLimits.max_stop_chars) -> list[str]:
 
 
 async def _tpot(
-    stub: pdserve_pb2_grpc.PDServeStub,
+    stub: pdserve_pb2_grpc.PDServeServiceStub,
     prompt: str,
     max_tokens: int,
     stops: list[str],
@@ -52,7 +52,7 @@ async def _tpot(
 
 
 async def _case(
-    stub: pdserve_pb2_grpc.PDServeStub,
+    stub: pdserve_pb2_grpc.PDServeServiceStub,
     victims: int,
     attackers: int,
     max_tokens: int,
@@ -80,7 +80,7 @@ async def run(
     plain: list[float] = []
     attacked: list[float] = []
     async with grpc.aio.insecure_channel(target) as channel:
-        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        stub = pdserve_pb2_grpc.PDServeServiceStub(channel)
         for r in range(rounds):
             order = [(plain, []), (attacked, attack_stops())]
             for into, stops in order if r % 2 == 0 else order[::-1]:

@@ -58,7 +58,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"API key: {run.api_key}")
     elif config.router.api_keys_file:
         print(f"  API keys from {config.router.api_keys_file}")
-    print(f"  gRPC    {run.grpc_target}  (pdserve.v1.PDServe, grpc.health.v1.Health)")
+    print(f"  gRPC    {run.grpc_target}  (pdserve.v1.PDServeService, grpc.health.v1.Health)")
     print(f"  HTTP    {run.http_url}  (OpenAI: /completions, /chat/completions, /models)")
     print(f"  Ray     {run.ray_address}")
     print("  Redis   127.0.0.1 (private; URL in the run state)")

@@ -1,4 +1,4 @@
-"""Router: the Serve ingress. gRPC (`pdserve.v1.PDServe` through Serve's gRPC proxy, plus the
+"""Router: the Serve ingress. gRPC (`pdserve.v1.PDServeService` through Serve's gRPC proxy, plus the
 standard `grpc.health.v1.Health/Check`) and OpenAI HTTP (FastAPI), both over one RouterService.
 
 gRPC errors: the status is set on Serve's grpc_context before raising, which Serve's proxy
@@ -22,8 +22,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from api.convert import request_to_body, timings_message, usage_message
-from api.gen import pdserve_pb2
+from api.convert import (
+    InvalidField,
+    finish_reason_value,
+    pools_message,
+    request_to_body,
+    timings_message,
+    usage_message,
+)
+from api.gen.pdserve.v1 import pdserve_pb2
 from api.serve_grpc import SERVICE, MalformedRequest
 from control.store import ControlStore
 from engine.models import resolve_model
@@ -223,7 +230,7 @@ class Router:
     async def http_health(self) -> Any:
         return JSONResponse({"status": "ok", "in_flight": self.service.num_in_flight})
 
-    # --- gRPC: pdserve.v1.PDServe ------------------------------------------------------------
+    # --- gRPC: pdserve.v1.PDServeService -----------------------------------------------------
 
     def _authenticate_grpc(self, grpc_context: Any) -> Caller | None:
         metadata = dict(grpc_context.invocation_metadata() or ())
@@ -239,7 +246,10 @@ class Router:
         try:
             if isinstance(message, MalformedRequest):
                 raise InvalidRequest("body", f"is not a valid {SERVICE} request: {message.error}")
-            body = request_to_body(message)
+            try:
+                body = request_to_body(message)
+            except InvalidField as exc:  # an enum the contract does not define
+                raise InvalidRequest(exc.field, exc.message) from exc
             return await self.service.prepare_async(body, message.request_id, caller)
         except InvalidRequest as exc:
             self.service.record_refusal("invalid")
@@ -270,7 +280,7 @@ class Router:
                 request_id=chunk.request_id,
                 text=chunk.text,
                 token_ids=list(chunk.token_ids),
-                finish_reason=chunk.finish_reason or "",
+                finish_reason=finish_reason_value(chunk.finish_reason),
                 usage=usage_message(chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
                 if chunk.usage
                 else None,
@@ -291,7 +301,7 @@ class Router:
             request_id=last.request_id,
             text="".join(texts),
             token_ids=ids,
-            finish_reason=last.finish_reason or "",
+            finish_reason=finish_reason_value(last.finish_reason),
             usage=usage_message(last.usage.prompt_tokens, last.usage.completion_tokens),
             timings=timings_message(last.timings),
             model=prepared.validated.model,
@@ -300,9 +310,9 @@ class Router:
     async def Health(self, request: Any) -> Any:
         ready = await asyncio.to_thread(_ready_replicas, self.settings.app)
         serving = bool(ready) and all(n > 0 for n in ready.values())
-        return pdserve_pb2.HealthResponse(
-            serving=serving, status="SERVING" if serving else "NOT_SERVING", ready_replicas=ready
-        )
+        # Deployments are named after their pools ("Prefill" for "prefill": deploy/app.py).
+        pools = pools_message({name.lower(): n for name, n in ready.items()})
+        return pdserve_pb2.HealthResponse(serving=serving, pools=pools)
 
     async def ListModels(self, request: Any, grpc_context: Any) -> Any:
         self._authenticate_grpc(grpc_context)

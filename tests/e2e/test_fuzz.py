@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from api.gen import pdserve_pb2
+from api.gen.pdserve.v1 import pdserve_pb2
 from tests.e2e.conftest import ServedApp
 
 pytestmark = pytest.mark.engine
@@ -136,13 +136,13 @@ def test_http_bodies_get_documented_answers(nixl_app: ServedApp) -> None:
 
 
 def test_grpc_messages_get_documented_answers(nixl_app: ServedApp) -> None:
-    valid = pdserve_pb2.GenerateRequest(
+    valid = pdserve_pb2.CompleteRequest(
         prompt="fuzz me", max_tokens=2, temperature=0.5, stop=["x"], seed=7
     ).SerializeToString()
     seen: dict[str, int] = {}
     with grpc.insecure_channel(nixl_app.grpc_target) as channel:
         complete = channel.unary_unary(
-            "/pdserve.v1.PDServe/Complete",
+            "/pdserve.v1.PDServeService/Complete",
             request_serializer=lambda raw: raw,
             response_deserializer=lambda raw: raw,
         )
@@ -175,7 +175,7 @@ def test_grpc_messages_get_documented_answers(nixl_app: ServedApp) -> None:
 
 def _parse(message: bytes) -> Any:
     try:
-        return pdserve_pb2.GenerateRequest.FromString(message)
+        return pdserve_pb2.CompleteRequest.FromString(message)
     except Exception:
         return None
 

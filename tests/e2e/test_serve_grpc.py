@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from api.client import acollect, collect
+from api.gen.pdserve.v1 import pdserve_pb2
 from engine.local import LocalEngine
 from tests.builders import make_greedy
 from tests.e2e.conftest import ServedApp
@@ -117,7 +118,7 @@ def test_server_reflection_lists_the_services(serve_apps: dict[str, ServedApp]) 
 
     with grpc.insecure_channel(serve_apps["nixl"].grpc_target) as channel:
         services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
-    assert {"pdserve.v1.PDServe", "grpc.health.v1.Health"} <= services
+    assert {"pdserve.v1.PDServeService", "grpc.health.v1.Health"} <= services
 
 
 @pytest.mark.parametrize("key", APPS)
@@ -128,8 +129,9 @@ def test_health_and_models(serve_apps: dict[str, ServedApp], key: str) -> None:
     with app.client() as client:
         health = client.health()
         models = client.list_models()
-    assert health.serving and health.status == "SERVING"
-    assert dict(health.ready_replicas) == {name: 1 for name in app.engine_deployments}
+    assert health.serving
+    pools = [(pdserve_pb2.Pool.Name(p.pool), p.ready_replicas) for p in health.pools]
+    assert pools == [(f"POOL_{name.upper()}", 1) for name in app.engine_deployments]
     assert [(m.id, m.max_model_len) for m in models.models] == [("tiny", 2048)]
     with grpc.insecure_channel(app.grpc_target) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check(

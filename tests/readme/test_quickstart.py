@@ -105,18 +105,18 @@ def test_calls_without_the_runs_key_are_refused(
 
     import grpc
 
-    from api.gen import pdserve_pb2, pdserve_pb2_grpc
+    from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 
     env, state = local_run
     key = str(state["api_key"])
     wrong = pdserve(env, "generate", "hi", "--api-key", key[:-2] + "xx")
     assert wrong.returncode == 2 and "UNAUTHENTICATED" in wrong.stderr, wrong.stderr[-2000:]
     with grpc.insecure_channel(f"127.0.0.1:{state['grpc_port']}") as channel:
-        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        stub = pdserve_pb2_grpc.PDServeServiceStub(channel)
         for metadata in ((), (("authorization", "Bearer nope"),), (("authorization", key),)):
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Complete(
-                    pdserve_pb2.GenerateRequest(prompt="hi", max_tokens=2),
+                    pdserve_pb2.CompleteRequest(prompt="hi", max_tokens=2),
                     metadata=metadata,
                     timeout=60,
                 )
@@ -160,25 +160,25 @@ def test_a_grpc_message_past_the_body_limit_is_refused_by_the_proxy(
     reaches the router and meets its own limit (INVALID_ARGUMENT naming the prompt)."""
     import grpc
 
-    from api.gen import pdserve_pb2, pdserve_pb2_grpc
+    from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 
     _, state = local_run
     metadata = (("authorization", f"Bearer {state['api_key']}"),)
     limit = 8 * 1024**2
     with grpc.insecure_channel(f"127.0.0.1:{state['grpc_port']}") as channel:
-        stub = pdserve_pb2_grpc.PDServeStub(channel)
+        stub = pdserve_pb2_grpc.PDServeServiceStub(channel)
         for size, code, named in (
             (limit + 1, grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
             (2_000_000, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
         ):
-            request = pdserve_pb2.GenerateRequest(prompt="x" * size, max_tokens=2)
+            request = pdserve_pb2.CompleteRequest(prompt="x" * size, max_tokens=2)
             assert request.ByteSize() > size
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Complete(request, metadata=metadata, timeout=120)
             assert refused.value.code() == code, (size, refused.value.details())
             assert named in (refused.value.details() or ""), refused.value.details()
         done = stub.Complete(
-            pdserve_pb2.GenerateRequest(prompt="hi", max_tokens=2, ignore_eos=True),
+            pdserve_pb2.CompleteRequest(prompt="hi", max_tokens=2, ignore_eos=True),
             metadata=metadata,
             timeout=120,
         )

@@ -14,7 +14,7 @@ import grpc.aio
 import pytest
 
 from api.client import AsyncPDServeClient, PDServeClient, acollect, collect
-from api.gen import pdserve_pb2, pdserve_pb2_grpc
+from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 
 WORDS = ("Hello", ",", " world")
 
@@ -29,24 +29,24 @@ def chunks(request: pdserve_pb2.GenerateRequest, num_chunks: int) -> list[Any]:
         if i == 0:
             chunk.timings.ttft_s = 0.1
         if i == num_chunks - 1:
-            chunk.finish_reason = "length"
+            chunk.finish_reason = pdserve_pb2.FINISH_REASON_LENGTH
             chunk.usage.completion_tokens = num_chunks
             chunk.timings.ttft_s, chunk.timings.e2e_s = 0.1, 0.5
         out.append(chunk)
     return out
 
 
-class FakeRouter(pdserve_pb2_grpc.PDServeServicer):
+class FakeRouter(pdserve_pb2_grpc.PDServeServiceServicer):
     """Answers from the request alone and remembers what each call carried."""
 
     def __init__(self) -> None:
         self.metadata: list[dict[str, str]] = []
-        self.requests: list[pdserve_pb2.GenerateRequest] = []
+        self.requests: list[pdserve_pb2.GenerateRequest | pdserve_pb2.CompleteRequest] = []
         self.cancelled = threading.Event()
 
     def _record(self, request: Any, context: Any) -> None:
         self.metadata.append(dict(context.invocation_metadata()))
-        if isinstance(request, pdserve_pb2.GenerateRequest):
+        if isinstance(request, pdserve_pb2.GenerateRequest | pdserve_pb2.CompleteRequest):
             self.requests.append(request)
             if request.HasField("max_tokens") and request.max_tokens < 1:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be >= 1")
@@ -67,7 +67,8 @@ class FakeRouter(pdserve_pb2_grpc.PDServeServicer):
 
     def Health(self, request: Any, context: Any) -> Any:
         self._record(request, context)
-        return pdserve_pb2.HealthResponse(serving=True, status="ok", ready_replicas={"decode": 2})
+        decode = pdserve_pb2.PoolReplicas(pool=pdserve_pb2.POOL_DECODE, ready_replicas=2)
+        return pdserve_pb2.HealthResponse(serving=True, pools=[decode])
 
     def ListModels(self, request: Any, context: Any) -> Any:
         self._record(request, context)
@@ -78,7 +79,7 @@ class FakeRouter(pdserve_pb2_grpc.PDServeServicer):
 def router() -> Iterator[tuple[FakeRouter, str]]:
     servicer = FakeRouter()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pdserve_pb2_grpc.add_PDServeServicer_to_server(servicer, server)
+    pdserve_pb2_grpc.add_PDServeServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield servicer, f"127.0.0.1:{port}"
@@ -105,8 +106,10 @@ def test_unary_calls(router: tuple[FakeRouter, str]) -> None:
     servicer, target = router
     with PDServeClient(target) as client:
         assert client.complete("Hi").text == "Hello, world"
-        assert client.health().ready_replicas["decode"] == 2
+        (pool,) = client.health().pools
+        assert (pool.pool, pool.ready_replicas) == (pdserve_pb2.POOL_DECODE, 2)
         assert [m.id for m in client.list_models().models] == ["smollm2"]
+    assert [type(r).__name__ for r in servicer.requests] == ["CompleteRequest"]
     assert all("application" not in metadata for metadata in servicer.metadata)
 
 
@@ -136,7 +139,7 @@ def test_collect_refuses_a_cut_stream(responses: list[Any], words: str) -> None:
         collect(responses)
 
 
-class AsyncFakeRouter(pdserve_pb2_grpc.PDServeServicer):
+class AsyncFakeRouter(pdserve_pb2_grpc.PDServeServiceServicer):
     def __init__(self) -> None:
         self.metadata: list[dict[str, str]] = []
 
@@ -147,13 +150,14 @@ class AsyncFakeRouter(pdserve_pb2_grpc.PDServeServicer):
 
     async def Complete(self, request: Any, context: Any) -> Any:
         self.metadata.append(dict(context.invocation_metadata()))
-        return pdserve_pb2.CompleteResponse(text="done", finish_reason="stop")
+        stop = pdserve_pb2.FINISH_REASON_STOP
+        return pdserve_pb2.CompleteResponse(text="done", finish_reason=stop)
 
 
 async def test_async_client() -> None:
     servicer = AsyncFakeRouter()
     server = grpc.aio.server()
-    pdserve_pb2_grpc.add_PDServeServicer_to_server(servicer, server)
+    pdserve_pb2_grpc.add_PDServeServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

@@ -1,5 +1,5 @@
 """GenerateRequest -> validation body: presence survives the wire, and a gRPC request validates
-exactly like the same HTTP JSON body."""
+exactly like the same HTTP JSON body; the contract's enums <-> the router's strings."""
 
 from __future__ import annotations
 
@@ -11,11 +11,27 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from api.client import build_request
-from api.convert import _from_float32, request_to_body, timings_message, usage_message
-from api.gen import pdserve_pb2
+from api.client import build_complete_request, build_request
+from api.convert import (
+    InvalidField,
+    _from_float32,
+    finish_reason_name,
+    finish_reason_value,
+    pools_message,
+    request_to_body,
+    role_value,
+    timings_message,
+    usage_message,
+)
+from api.gen.pdserve.v1 import pdserve_pb2
 from engine.params import GenerationParams
-from router.validation import KNOWN_FIELDS, InvalidRequest, RequestLimits, validate_request
+from router.validation import (
+    CHAT_ROLES,
+    KNOWN_FIELDS,
+    InvalidRequest,
+    RequestLimits,
+    validate_request,
+)
 
 LIMITS = RequestLimits(served_models=frozenset({"smollm2", "tiny"}), default_model="smollm2")
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -101,7 +117,6 @@ def test_chat_messages() -> None:
         ({"prompt": ""}, "prompt", "must not be empty"),
         ({"prompt": "Hi", "messages": CHAT}, "prompt", "not both"),
         ({"messages": [{"role": "user", "content": ""}]}, "messages", "non-empty content"),
-        ({"messages": [{"content": "hi"}]}, "messages[0].role", "must be one of"),
         ({"prompt": "Hi", "model": "gpt-4"}, "model", "not served here"),
         ({"prompt": "Hi", "temperature": 2.1}, "temperature", "got 2.1"),
         ({"prompt": "Hi", "top_p": 0.0}, "top_p", "in (0, 1]"),
@@ -119,6 +134,82 @@ def test_bad_fields_are_named(kwargs: dict[str, Any], field: str, words: str) ->
 
 def test_a_single_stop_string_is_one_stop() -> None:
     assert over_the_wire(prompt="Hi", stop="END")["stop"] == ["END"]
+
+
+def test_complete_requests_convert_like_generate_requests() -> None:
+    kwargs: dict[str, Any] = {"messages": CHAT, "max_tokens": 3, "seed": 0, "stop": ["x"]}
+    request = build_complete_request(**kwargs)
+    assert isinstance(request, pdserve_pb2.CompleteRequest)
+    assert request_to_body(request) == over_the_wire(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("role", "words"),
+    [
+        (pdserve_pb2.ROLE_UNSPECIFIED, "is required: one of ROLE_SYSTEM"),
+        # proto3 enums are open: a number the proto does not define parses.
+        (99, "got Role value 99"),
+    ],
+)
+def test_a_role_the_contract_does_not_define_is_named(role: int, words: str) -> None:
+    chat = [pdserve_pb2.ChatMessage(role=pdserve_pb2.ROLE_USER, content="Hi")]
+    chat.append(pdserve_pb2.ChatMessage(role=role, content="Hi"))  # type: ignore[arg-type]
+    sent = pdserve_pb2.GenerateRequest(messages=chat).SerializeToString()
+    with pytest.raises(InvalidField) as error:
+        request_to_body(pdserve_pb2.GenerateRequest.FromString(sent))
+    assert error.value.field == "messages[1].role"
+    assert words in str(error.value)
+
+
+def test_every_role_is_one_validation_accepts() -> None:
+    roles = [v for v in pdserve_pb2.Role.values() if v != pdserve_pb2.ROLE_UNSPECIFIED]
+    for role in roles:
+        body = request_to_body(
+            pdserve_pb2.GenerateRequest(messages=[pdserve_pb2.ChatMessage(role=role, content="x")])
+        )
+        assert body["messages"][0]["role"] in CHAT_ROLES
+        assert role_value(body["messages"][0]["role"]) == role
+
+
+@pytest.mark.parametrize("role", ["robot", "", "unspecified", "USER"])
+def test_the_client_refuses_a_role_it_cannot_send(role: str) -> None:
+    with pytest.raises(ValueError, match=r"messages\[0\]\.role: must be one of"):
+        build_request(messages=[{"role": role, "content": "hi"}])
+
+
+def test_a_chat_message_without_a_role_is_left_for_the_server_to_refuse() -> None:
+    (message,) = build_request(messages=[{"content": "hi"}]).messages
+    assert message.role == pdserve_pb2.ROLE_UNSPECIFIED
+
+
+@pytest.mark.parametrize(
+    ("reason", "value"),
+    [
+        (None, pdserve_pb2.FINISH_REASON_UNSPECIFIED),
+        ("stop", pdserve_pb2.FINISH_REASON_STOP),
+        ("length", pdserve_pb2.FINISH_REASON_LENGTH),
+    ],
+)
+def test_finish_reasons(reason: str | None, value: int) -> None:
+    assert finish_reason_value(reason) == value
+    assert finish_reason_name(value) == (reason or "")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("reason", ["abort", "error", "", "STOP", "unspecified"])
+def test_a_finish_the_contract_cannot_express_is_an_error(reason: str) -> None:
+    with pytest.raises(ValueError, match="FinishReason"):
+        finish_reason_value(reason)
+
+
+def test_pools_in_the_enums_order() -> None:
+    pools = pools_message({"decode": 2, "prefill": 1})
+    assert [(p.pool, p.ready_replicas) for p in pools] == [
+        (pdserve_pb2.POOL_PREFILL, 1),
+        (pdserve_pb2.POOL_DECODE, 2),
+    ]
+    assert [p.pool for p in pools_message({"engine": 1})] == [pdserve_pb2.POOL_ENGINE]
+    with pytest.raises(ValueError, match=r"'router' has no pdserve\.v1\.Pool"):
+        pools_message({"router": 1})
 
 
 def test_unknown_chat_message_keys_are_refused_by_the_client() -> None:
