@@ -5,14 +5,19 @@ point, `pdserve_cli.main`, adds bench's sub-commands (bench sits above deploy)."
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deploy.cli_ops import add_operator_commands
 from engine.models import builtin_names, resolve_model
+
+if TYPE_CHECKING:
+    from api.client import Completion
 
 LOCAL_CONFIG = Path(__file__).resolve().parent / "configs" / "local.yaml"
 
@@ -29,7 +34,7 @@ def _cmd_model_prepare(args: argparse.Namespace) -> int:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from deploy.config import AppConfig, load_app_config
-    from deploy.up import up
+    from deploy.up import PhaseClock, up
 
     data = load_app_config(Path(args.config)).model_dump()
     if args.model:
@@ -43,7 +48,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print("pdserve up: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    print(f"pdserve up: starting {config.name} ({config.topology}, model {config.engine.model})...")
+    print(
+        f"pdserve up: starting {config.name} ({config.topology}, model {config.engine.model})...",
+        flush=True,
+    )
     run = up(
         config,
         http_port=args.http_port,
@@ -51,6 +59,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         auth=not args.no_auth,
         tls=(args.tls_cert, args.tls_key) if args.tls_cert else None,
+        report=PhaseClock(),
     )
     print(f"pdserve is up in {time.perf_counter() - started:.0f} s")
     if run.api_key:
@@ -60,7 +69,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"  API keys from {config.router.api_keys_file}")
     print(f"  gRPC    {run.grpc_target}  (pdserve.v1.PDServeService, grpc.health.v1.Health)")
     print(f"  HTTP    {run.http_url}  (OpenAI: /completions, /chat/completions, /models)")
-    print(f"  Ray     {run.ray_address}")
+    print(f"  Ray     {run.ray_address}  (dashboard {run.dashboard_url}, loopback, token auth)")
+    print('  Ray\'s CLIs (serve status, serve deploy, ray status): eval "$(pdserve env)"')
     print("  Redis   127.0.0.1 (private; URL in the run state)")
     print("  stop it with `pdserve down`")
     return 0
@@ -93,10 +103,26 @@ def _cmd_down(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from deploy.status import print_status
 
-    return print_status(args.redis_url, args.app)
+    return print_status(args.redis_url, args.app, as_json=args.json)
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    import shlex
+
+    from deploy.local import load_run
+
+    run = load_run()
+    if run is None:
+        print("pdserve env: nothing is running (start it with `pdserve up`)", file=sys.stderr)
+        return 1
+    for name, value in run.ray_cli_env().items():
+        print(f"export {name}={shlex.quote(value)}")
+    return 0
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.json and args.stream:
+        raise ValueError("--json prints the whole completion at the end: drop --stream")
     if args.local:
         return _generate_local(args)
     from api.client import PDServeClient, collect
@@ -129,10 +155,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 done = collect(chunks)
             else:
                 done = collect(stream)
-                print(done.text)
+                if not args.json:
+                    print(done.text)
         except grpc.RpcError as exc:
             print(f"pdserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 2
+    if args.json:
+        print(json.dumps(completion_json(done)))
+        return 0
     t = done.timings
     print(
         f"[{done.usage.prompt_tokens} prompt tokens, {done.usage.completion_tokens} generated, "
@@ -141,6 +171,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def completion_json(done: Completion) -> dict[str, object]:
+    """`generate --json`: the joined stream, with usage and timings as the proto names them."""
+    from google.protobuf.json_format import MessageToDict
+
+    return {
+        "request_id": done.request_id,
+        "text": done.text,
+        "token_ids": list(done.token_ids),
+        "finish_reason": done.finish_reason,
+        "usage": MessageToDict(done.usage, preserving_proto_field_name=True),
+        "timings": MessageToDict(done.timings, preserving_proto_field_name=True),
+    }
 
 
 def _generate_local(args: argparse.Namespace) -> int:
@@ -163,6 +207,19 @@ def _generate_local(args: argparse.Namespace) -> int:
     engine = LocalEngine(settings)
     prompt_ids = engine.encode(args.prompt, chat=args.chat)
     completion = engine.generate([prompt_ids], params)[0]
+    if args.json:
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion.token_ids)}
+        print(
+            json.dumps(
+                {
+                    "text": completion.text,
+                    "token_ids": list(completion.token_ids),
+                    "finish_reason": completion.finish_reason,
+                    "usage": usage,
+                }
+            )
+        )
+        return 0
     print(completion.text)
     print(
         f"[{len(prompt_ids)} prompt tokens, {len(completion.token_ids)} generated, "
@@ -176,6 +233,7 @@ def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray."
     )
+    parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = commands.add_parser("up", help="start a local Ray, Redis and the app; wait until healthy")
@@ -203,11 +261,20 @@ def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
         "--redis-url", help="an app's control-plane Redis (default: the local run's)"
     )
     status.add_argument("--app", help="with --redis-url: the app's name")
+    status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     status.set_defaults(func=_cmd_status)
+
+    env = commands.add_parser(
+        "env", help="shell exports that point Ray's CLIs (serve, ray status) at the local run"
+    )
+    env.set_defaults(func=_cmd_env)
 
     gen = commands.add_parser("generate", help="generate a completion over gRPC")
     gen.add_argument("prompt", help="prompt text")
     gen.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    gen.add_argument(
+        "--json", action="store_true", help="print the completion as one JSON object (no --stream)"
+    )
     gen.add_argument("--chat", action="store_true", help="send the prompt as one user message")
     gen.add_argument("--target", help="gRPC host:port (default: the local run, else :9000)")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -249,6 +316,15 @@ def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
     prepare.add_argument("name", choices=builtin_names())
     prepare.set_defaults(func=_cmd_model_prepare)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:  # a checkout that was never installed
+        return "unknown"
 
 
 def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,9 @@ The run's state (ports, PIDs, Redis URL, the path of its Ray token, its API key)
 
 Ray 2.60 refuses a token-auth cluster without a token. Each run makes its own with Ray's own
 generator, keeps it in the run's folder (0600 from creation) and hands every process of the run
-its path (RAY_AUTH_TOKEN_PATH): the user's ~/.ray is neither read nor written.
+its path (RAY_AUTH_TOKEN_PATH): the user's ~/.ray is neither read nor written. Ray's dashboard
+runs on loopback behind that token, so Ray's own CLIs (`serve status`, `serve deploy`,
+`ray status`) reach the run with `LocalRun.ray_cli_env` (printed by `pdserve env`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 RUN_MARKER = "PDSERVE_RUN_ID"
+LOOPBACK = "127.0.0.1"
+# Where Ray's CLIs look for a cluster: `ray status` the GCS, `serve` and `ray job` the dashboard.
+# A shell that ran `eval "$(pdserve env)"` for an earlier run still has them: a new run's
+# processes must not inherit them.
+RAY_CLI_ADDRESS_VARS = ("RAY_ADDRESS", "RAY_DASHBOARD_ADDRESS", "RAY_API_SERVER_ADDRESS")
 RAY_TOKEN_FILE = "ray-token"
 PRIVATE_FILE_MODE = 0o600
 GRPC_SERVICERS = [
@@ -59,6 +66,8 @@ class LocalRun:
     # The HTTP proxy's certificate and key (PEM files) when it serves HTTPS; "" for plain HTTP.
     tls_cert: str = ""
     tls_key: str = ""
+    # Ray's dashboard (HTTP, loopback, the run's Ray token); 0 in a state file from before it.
+    dashboard_port: int = 0
 
     @property
     def grpc_target(self) -> str:
@@ -68,6 +77,20 @@ class LocalRun:
     def http_url(self) -> str:
         scheme = "https" if self.tls_cert else "http"
         return f"{scheme}://127.0.0.1:{self.http_port}/v1"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.dashboard_port}" if self.dashboard_port else ""
+
+    def ray_cli_env(self) -> dict[str, str]:
+        """What Ray's own CLIs need to reach this run: `ray status` reads RAY_ADDRESS (the
+        GCS), `serve status|deploy` RAY_DASHBOARD_ADDRESS, `ray job` RAY_API_SERVER_ADDRESS,
+        and all of them the run's token."""
+        env = {"RAY_ADDRESS": self.ray_address, **ray_auth_env(Path(self.ray_token_path))}
+        if self.dashboard_url:
+            env["RAY_DASHBOARD_ADDRESS"] = self.dashboard_url
+            env["RAY_API_SERVER_ADDRESS"] = self.dashboard_url
+        return env
 
     def save(self) -> Path:
         path = state_file()
@@ -151,11 +174,11 @@ def use_ray_token(token_path: Path) -> None:
 
 def free_port() -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((LOOPBACK, 0))
         return int(sock.getsockname()[1])
 
 
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+def port_is_free(port: int, host: str = LOOPBACK) -> bool:
     """Whether a server could listen on `port` now. Servers set SO_REUSEADDR, so connections
     of a stopped run still in TIME-WAIT do not keep them from binding; the probe does the same
     (without it, `up` right after `down` refused the port for a minute)."""
@@ -168,6 +191,26 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
+def ray_head_command(
+    gcs_port: int, dashboard_port: int, num_cpus: int, temp_dir: Path
+) -> list[str]:
+    """`ray start` for the run's head. The dashboard serves Serve's REST API (`serve status`,
+    `serve deploy`) and Ray's state API on loopback only; the token guards it there too."""
+    return [
+        str(Path(sys.executable).with_name("ray")),
+        "start",
+        "--head",
+        "--block",
+        f"--port={gcs_port}",
+        f"--num-cpus={num_cpus}",
+        "--include-dashboard=true",
+        f"--dashboard-host={LOOPBACK}",
+        f"--dashboard-port={dashboard_port}",
+        "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
+    ]
+
+
 def start_ray_head(
     run_id: str,
     log_dir: Path,
@@ -175,48 +218,41 @@ def start_ray_head(
     token_path: Path,
     timeout_s: float = 180,
     extra_env: dict[str, str] | None = None,
-) -> tuple[int, str]:
-    """`ray start --head --block` in its own session; returns (pid, GCS address) once the GCS
-    answers. --block keeps the process: SIGTERM to it stops the whole local cluster. The
-    timeout is generous: on two busy cores the head took over a minute. `extra_env` reaches
-    every process of the cluster (Serve's proxy and controller read their settings there)."""
-    port = free_port()
+) -> tuple[int, str, int]:
+    """`ray start --head --block` in its own session; returns (pid, GCS address, dashboard
+    port) once the GCS answers. --block keeps the process: SIGTERM to it stops the whole local
+    cluster. The timeout is generous: on two busy cores the head took over a minute.
+    `extra_env` reaches every process of the cluster (Serve's proxy and controller read their
+    settings there)."""
+    port, dashboard_port = free_port(), free_port()
+    inherited = {k: v for k, v in os.environ.items() if k not in RAY_CLI_ADDRESS_VARS}
     env = {
-        **os.environ,
+        **inherited,
+        # The dashboard's own Prometheus port is fixed (44227) unless set: a second run on the
+        # machine would lose its dashboard metrics.
+        "DASHBOARD_METRIC_PORT": str(free_port()),
         **(extra_env or {}),
         **ray_auth_env(token_path),
         RUN_MARKER: run_id,
         "RAY_USAGE_STATS_ENABLED": "0",
     }
     log = (log_dir / "ray-start.log").open("ab")
-    temp_dir = ray_temp_dir(run_id)
-    ray_bin = Path(sys.executable).with_name("ray")
     proc = subprocess.Popen(
-        [
-            str(ray_bin),
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            f"--num-cpus={num_cpus}",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-            f"--temp-dir={temp_dir}",
-        ],
+        ray_head_command(port, dashboard_port, num_cpus, ray_temp_dir(run_id)),
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
-    address = f"127.0.0.1:{port}"
+    address = f"{LOOPBACK}:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"ray start exited with {proc.returncode}; see {log.name}")
         # Printed once the GCS, raylet and object store are all up (not just the GCS port).
         if b"Ray runtime started" in Path(log.name).read_bytes():
-            return proc.pid, address
+            return proc.pid, address, dashboard_port
         time.sleep(0.5)
     stop_pid(proc.pid)
     raise RuntimeError(f"Ray head did not come up within {timeout_s:.0f} s; see {log.name}")

@@ -1,10 +1,16 @@
-"""`pdserve status`: pools and replicas (Serve), recent latency percentiles (Redis)."""
+"""`pdserve status`: pools and replicas (Serve), recent latency percentiles (Redis).
+
+collect_status gathers one StatusReport (Serve's states through Ray, the rest from the control
+plane); format_status renders it for people, status_json for scripts (`--json`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 
 from control.keys import POOLS
 from control.records import DecisionRecord, PoolSLO
@@ -79,25 +85,54 @@ def kv_load_warnings(replicas: Sequence[ReplicaLoad]) -> list[str]:
     ]
 
 
-def format_pools(
-    samples: dict[str, list[float]],
+@dataclass(frozen=True)
+class PoolRow:
+    """One pool's line: its SLO and observed P95 (seconds), replicas running and targeted."""
+
+    pool: str
+    metric: str
+    slo_p95_s: float | None
+    observed_p95_s: float | None
+    num_running: int
+    target_replicas: int
+    pin: int | None
+
+
+def pool_rows(
+    samples: Mapping[str, list[float]],
     slo: PoolSLO | None,
-    running: dict[str, int],
-    pins: dict[str, int | None],
+    running: Mapping[str, int],
+    pins: Mapping[str, int | None],
     decisions: Sequence[DecisionRecord],
-) -> list[str]:
-    """SLO vs observed P95 per pool, replicas running / target, pin."""
-    lines = [f"  {'pool':<9}{'SLO (P95)':<16}{'observed P95':<16}{'replicas':<10}pin"]
-    for pool, metric, name in (("prefill", "ttft", "TTFT"), ("decode", "tpot", "TPOT")):
-        target_s = None if slo is None else getattr(slo, f"{metric}_p95_s")
-        target = f"{name} {target_s * 1000:.0f}ms" if target_s else f"{name} (config)"
+) -> list[PoolRow]:
+    rows = []
+    for pool, metric in (("prefill", "ttft"), ("decode", "tpot")):
         values = samples.get(metric, [])
-        seen = f"{name} {percentile(values, 95.0) * 1000:.0f}ms" if values else "-"
         last = next((d for d in decisions if d.pool == pool), None)
         now = running.get(pool.capitalize(), 0)
-        replicas = f"{now}/{last.target_replicas if last else now}"
-        pin = pins.get(pool)
-        lines.append(f"  {pool:<9}{target:<16}{seen:<16}{replicas:<10}{pin if pin else 'auto'}")
+        rows.append(
+            PoolRow(
+                pool=pool,
+                metric=metric,
+                slo_p95_s=None if slo is None else getattr(slo, f"{metric}_p95_s"),
+                observed_p95_s=percentile(values, 95.0) if values else None,
+                num_running=now,
+                target_replicas=last.target_replicas if last else now,
+                pin=pins.get(pool),
+            )
+        )
+    return rows
+
+
+def format_pools(rows: Sequence[PoolRow]) -> list[str]:
+    """SLO vs observed P95 per pool, replicas running / target, pin."""
+    lines = [f"  {'pool':<9}{'SLO (P95)':<16}{'observed P95':<16}{'replicas':<10}pin"]
+    for r in rows:
+        name = r.metric.upper()
+        target = f"{name} {r.slo_p95_s * 1000:.0f}ms" if r.slo_p95_s else f"{name} (config)"
+        seen = f"{name} {r.observed_p95_s * 1000:.0f}ms" if r.observed_p95_s is not None else "-"
+        replicas = f"{r.num_running}/{r.target_replicas}"
+        lines.append(f"  {r.pool:<9}{target:<16}{seen:<16}{replicas:<10}{r.pin or 'auto'}")
     return lines
 
 
@@ -109,17 +144,53 @@ def format_decisions(decisions: Sequence[DecisionRecord]) -> list[str]:
     return lines or ["  (none yet)"]
 
 
-def print_status(redis_url: str | None = None, app_name: str | None = None) -> int:
+@dataclass(frozen=True)
+class DeploymentState:
+    status: str
+    replica_states: dict[str, int]
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """Everything `pdserve status` shows. `run` and `serve` are None for an app given by
+    --redis-url (no local run); `serve` is also None while Serve does not know the app."""
+
+    app: str
+    run: LocalRun | None
+    app_status: str
+    serve: dict[str, DeploymentState] | None
+    samples: dict[str, list[float]]
+    replicas: list[ReplicaLoad]
+    decisions: list[DecisionRecord]
+    latest: list[DecisionRecord]
+    pins: dict[str, int | None]
+    slo: PoolSLO | None
+
+    @property
+    def pools(self) -> list[PoolRow]:
+        running = {n: d.replica_states.get("RUNNING", 0) for n, d in (self.serve or {}).items()}
+        return pool_rows(self.samples, self.slo, running, self.pins, self.decisions)
+
+
+def state_name(state: object) -> str:
+    """Serve's status enums print as "ReplicaState.RUNNING" or "RUNNING" depending on their
+    kind; their value is the name."""
+    return str(getattr(state, "value", state))
+
+
+def collect_status(
+    redis_url: str | None = None, app_name: str | None = None
+) -> StatusReport | None:
     """The local run's status; with `redis_url` and `app_name`, any app's control-plane view
-    (replicas, KV loads, latencies, autoscaling) without Serve's replica states."""
+    (replicas, KV loads, latencies, autoscaling) without Serve's replica states. None when
+    there is nothing to show."""
     run = load_run() if redis_url is None or app_name is None else None
     if run is None and (redis_url is None or app_name is None):
-        print("pdserve status: nothing is running (start it with `pdserve up`)")
-        return 1
-    running: dict[str, int] = {}
+        return None
+    app_status, serve = "", None
     if run is not None:
         redis_url, app_name = run.redis_url, run.app
-        running = _print_serve_status(run)
+        app_status, serve = _serve_states(run)
     assert redis_url is not None and app_name is not None
     samples, replicas = asyncio.run(_from_redis(redis_url, app_name))
     with SyncControlStore.connect(redis_url, app_name) as store:
@@ -127,28 +198,92 @@ def print_status(redis_url: str | None = None, app_name: str | None = None) -> i
         latest = [d for d in (store.last_decision(p) for p in ("prefill", "decode")) if d]
         pins = store.pins()
         slo = store.get_slo()
-    for line in kv_load_warnings(replicas):
-        print(line)
-    print("autoscaling (prefill on TTFT, decode on TPOT)")
-    for line in format_pools(samples, slo, running, pins, decisions):
-        print(line)
-    print("replicas (last report)")
-    for line in format_replicas(replicas):
-        print(line)
-    print("last decisions (scale events and changes of reason)")
-    for line in format_decisions(decisions):
-        print(line)
-    print("latest evaluation (every policy tick)")
-    for line in format_decisions(latest):
-        print(line)
-    print("recent latencies (last 1000 requests)")
-    for line in format_latencies(samples):
-        print(line)
+    return StatusReport(
+        app_name, run, app_status, serve, samples, replicas, decisions, latest, pins, slo
+    )
+
+
+def format_status(report: StatusReport) -> list[str]:
+    lines = []
+    run = report.run
+    if run is not None:
+        lines.append(
+            f"app {run.app}: {report.app_status}   gRPC {run.grpc_target}   HTTP {run.http_url}"
+        )
+        if run.dashboard_url:
+            lines.append(
+                f"  Ray GCS {run.ray_address}   dashboard {run.dashboard_url}   "
+                '(serve status, ray status: eval "$(pdserve env)" first)'
+            )
+    if report.serve is not None:
+        lines.append("  pool        replicas (state: count)")
+        for name, deployment in report.serve.items():
+            states = ", ".join(f"{s}: {n}" for s, n in sorted(deployment.replica_states.items()))
+            lines.append(f"  {name:<12}{states}   {deployment.status}")
+    lines += kv_load_warnings(report.replicas)
+    lines.append("autoscaling (prefill on TTFT, decode on TPOT)")
+    lines += format_pools(report.pools)
+    lines.append("replicas (last report)")
+    lines += format_replicas(report.replicas)
+    lines.append("last decisions (scale events and changes of reason)")
+    lines += format_decisions(report.decisions)
+    lines.append("latest evaluation (every policy tick)")
+    lines += format_decisions(report.latest)
+    lines.append("recent latencies (last 1000 requests)")
+    lines += format_latencies(report.samples)
+    return lines
+
+
+def status_json(report: StatusReport) -> dict[str, object]:
+    """The report for scripts: seconds and counts as numbers, no formatting."""
+    run = report.run
+    endpoints = None
+    if run is not None:
+        endpoints = {
+            "grpc": run.grpc_target,
+            "http": run.http_url,
+            "ray_address": run.ray_address,
+            "ray_dashboard": run.dashboard_url or None,
+            "ray_token_path": run.ray_token_path,
+        }
+    latencies = {
+        metric: {"n": len(values)}
+        | {f"p{q:g}_s": percentile(values, q) if values else None for q in PERCENTILES}
+        for metric, values in ((m, report.samples.get(m, [])) for m in METRICS)
+    }
+    return {
+        "app": report.app,
+        "status": report.app_status or None,
+        "endpoints": endpoints,
+        "deployments": None
+        if report.serve is None
+        else {name: asdict(d) for name, d in report.serve.items()},
+        "pools": [asdict(r) for r in report.pools],
+        "replicas": [asdict(r) for r in report.replicas],
+        "warnings": kv_load_warnings(report.replicas),
+        "decisions": [asdict(d) for d in report.decisions],
+        "latest": [asdict(d) for d in report.latest],
+        "latencies": latencies,
+    }
+
+
+def print_status(
+    redis_url: str | None = None, app_name: str | None = None, as_json: bool = False
+) -> int:
+    report = collect_status(redis_url, app_name)
+    if report is None:
+        print("pdserve status: nothing is running (start it with `pdserve up`)")
+        return 1
+    if as_json:
+        print(json.dumps(status_json(report), indent=2))
+    else:
+        print("\n".join(format_status(report)))
     return 0
 
 
-def _print_serve_status(run: LocalRun) -> dict[str, int]:
-    """Serve's view of the local run: app and replica states; RUNNING replicas by deployment."""
+def _serve_states(run: LocalRun) -> tuple[str, dict[str, DeploymentState] | None]:
+    """Serve's view of the local run: the app's status and each deployment's replica states
+    ("MISSING", None while Serve does not know the app)."""
     run.use_ray_auth()
     import ray
     from ray import serve
@@ -160,14 +295,11 @@ def _print_serve_status(run: LocalRun) -> dict[str, int]:
         app = serve.status().applications.get(run.app)
     finally:
         ray.shutdown()
-    print(
-        f"app {run.app}: {app.status if app else 'MISSING'}   "
-        f"gRPC {run.grpc_target}   HTTP {run.http_url}"
-    )
     if app is None:
-        return {}
-    print("  pool        replicas (state: count)")
-    for name, deployment in app.deployments.items():
-        states = ", ".join(f"{s}: {n}" for s, n in sorted(deployment.replica_states.items()))
-        print(f"  {name:<12}{states}   {deployment.status}")
-    return {n: int(d.replica_states.get("RUNNING", 0)) for n, d in app.deployments.items()}
+        return "MISSING", None
+    return state_name(app.status), {
+        name: DeploymentState(
+            state_name(d.status), {state_name(s): int(n) for s, n in d.replica_states.items()}
+        )
+        for name, d in app.deployments.items()
+    }

@@ -1,7 +1,8 @@
 """`pdserve up` and `pdserve down` for local mode.
 
-up:   redis-server -> ray start --head -> serve.start(HTTP, gRPC) -> serve.run(app)
-      -> wait until gRPC Health says SERVING -> write the run state
+up:   redis-server -> ray start --head (dashboard on loopback) -> serve.start(HTTP, gRPC)
+      -> serve.run(app) -> wait until the app is RUNNING; each phase is reported as it starts,
+      and the replicas' states whenever they change (engines take 1-2 minutes on CPU)
 down: serve.shutdown (engines stop gracefully) -> SIGTERM `ray start --block`
       -> SIGKILL whatever still carries the run marker -> stop redis -> remove the state
 """
@@ -10,15 +11,19 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from control.keys import REDIS_URL_ENV
 from control.redis_server import start_redis_server
 from deploy.config import AppConfig
 from deploy.local import (
     GRPC_SERVICERS,
+    LOOPBACK,
     RUN_MARKER,
     LocalRun,
     create_ray_token,
@@ -33,6 +38,7 @@ from deploy.local import (
     stop_pid,
     write_private_file,
 )
+from deploy.status import state_name
 from router.auth import key_line, new_key
 
 
@@ -40,7 +46,27 @@ class AlreadyUp(RuntimeError):
     pass
 
 
-LOOPBACK = "127.0.0.1"
+# Told each phase of `up` as it begins, in words ("starting Ray's head ...").
+Report = Callable[[str], None]
+
+
+def _silent(message: str) -> None:
+    pass
+
+
+class PhaseClock:
+    """A `Report` that prints each phase with the seconds since `up` began, at once (flushed:
+    the engines' start is a minute or two of otherwise silent waiting)."""
+
+    def __init__(self, out: TextIO | None = None) -> None:
+        self.out = out or sys.stdout
+        self.started = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        elapsed = time.monotonic() - self.started
+        print(f"[{elapsed:6.1f} s] {message}", file=self.out, flush=True)
+
+
 # Serve's gRPC proxy reads its message size limit (2 GiB by default) from its environment.
 GRPC_MESSAGE_LIMIT_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
 
@@ -106,10 +132,12 @@ def up(
     timeout_s: float = 900,
     auth: bool = True,
     tls: tuple[str, str] | None = None,
+    report: Report = _silent,
 ) -> LocalRun:
     """Start the run. With `auth` and no keys file in `config`, the run gets a fresh API key
     (hashed in its folder, the key itself in the 0600 run state for `generate` and `bench`).
-    `tls` (certificate, key: PEM files) makes the HTTP proxy serve HTTPS only."""
+    `tls` (certificate, key: PEM files) makes the HTTP proxy serve HTTPS only. `report` hears
+    each phase as it begins."""
     if not auth:
         check_no_auth_allowed()
     if tls is not None:
@@ -143,13 +171,15 @@ def up(
             update={"router": config.router.model_copy(update={"api_keys_file": str(keys_path)})}
         )
     os.environ[RUN_MARKER] = run_id  # redis-server inherits it
+    report("starting a private Redis on loopback")
     redis = start_redis_server(base / "redis")
     # The Ray head (so the Serve controller and its autoscaling policies) and build_app read the
     # control plane's URL from here; it carries the password, so it stays out of configs and logs.
     os.environ[REDIS_URL_ENV] = redis.url
     ray_pid = 0
     try:
-        ray_pid, address = start_ray_head(
+        report("starting Ray's head (token auth, dashboard on loopback)")
+        ray_pid, address, dashboard_port = start_ray_head(
             run_id, base, _num_cpus(config), token_path, extra_env=_cluster_env(config)
         )
         run = LocalRun(
@@ -166,12 +196,14 @@ def up(
             api_key=api_key,
             tls_cert=tls[0] if tls else "",
             tls_key=tls[1] if tls else "",
+            dashboard_port=dashboard_port,
         )
         run.save()
+        report(f"Ray is up: GCS {run.ray_address}, dashboard {run.dashboard_url}")
         config = config.model_copy(
             update={"control": config.control.model_copy(update={"redis_url": None})}
         )
-        _deploy(run, config, timeout_s)
+        _deploy(run, config, timeout_s, report)
         return run
     except BaseException:
         _stop_all(run_id, ray_pid, redis.pid)
@@ -182,7 +214,7 @@ def up(
         os.environ.pop(REDIS_URL_ENV, None)
 
 
-def _deploy(run: LocalRun, config: AppConfig, timeout_s: float) -> None:
+def _deploy(run: LocalRun, config: AppConfig, timeout_s: float, report: Report) -> None:
     run.use_ray_auth()
     import ray
     from ray import serve
@@ -195,6 +227,7 @@ def _deploy(run: LocalRun, config: AppConfig, timeout_s: float) -> None:
         address=run.ray_address, namespace="pdserve", logging_level="WARNING", log_to_driver=False
     )
     try:
+        report(f"starting Serve (HTTP port {run.http_port}, gRPC port {run.grpc_port})")
         serve.start(
             http_options={
                 "host": LOOPBACK,
@@ -207,27 +240,45 @@ def _deploy(run: LocalRun, config: AppConfig, timeout_s: float) -> None:
             },
             grpc_options=gRPCOptions(port=run.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
         )
+        report(f"deploying {config.name} ({config.topology}, model {config.engine.model})")
         # Returns at once; wait_serving below bounds the wait and reports a failed deploy.
         serve_api._run(build_app(config), name=config.name, route_prefix="/", _blocking=False)
-        wait_serving(run.app, timeout_s)
+        wait_serving(run.app, timeout_s, report)
     finally:
         ray.shutdown()
 
 
-def wait_serving(app_name: str, timeout_s: float) -> None:
-    """Wait until the Serve app is RUNNING; raise with Serve's message if it failed."""
+def wait_serving(app_name: str, timeout_s: float, report: Report = _silent) -> None:
+    """Wait until the Serve app is RUNNING; raise with Serve's message if it failed. `report`
+    hears the replicas' states each time they change."""
     from ray import serve
 
     deadline = time.monotonic() + timeout_s
+    last = ""
     while True:
         app = serve.status().applications.get(app_name)
         status = str(app.status) if app is not None else "MISSING"
+        if app is not None:
+            states = {n: d.replica_states for n, d in app.deployments.items()}
+            summary = replica_summary(state_name(app.status), states)
+            if summary != last:
+                report(summary)
+                last = summary
         if status.endswith("RUNNING"):
             return
         if status.endswith("DEPLOY_FAILED") or time.monotonic() > deadline:
             message = app.message if app is not None else ""
             raise RuntimeError(f"app {app_name} is {status}: {message}")
         time.sleep(1.0)
+
+
+def replica_summary(app_status: str, states: Mapping[str, Mapping[object, int]]) -> str:
+    """One line of the app's progress: "app DEPLOYING: Router RUNNING 1; Prefill STARTING 1"."""
+    parts = []
+    for name, by_state in states.items():
+        counts = ", ".join(f"{state_name(s)} {n}" for s, n in sorted(by_state.items(), key=str))
+        parts.append(f"{name} {counts or 'no replicas yet'}")
+    return f"app {app_status}: " + ("; ".join(parts) or "no deployments yet")
 
 
 @dataclass(frozen=True)
