@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from autoscaling.config import DEFAULT_CONFIG, AutoscalingConfig
 from control.records import PoolSLO
-from engine.settings import CPU_BLOCK_MULTIPLE, DEFAULT_CPU_KV_CACHE_BYTES
+from engine.settings import CPU_BLOCK_MULTIPLE, DEFAULT_CPU_KV_CACHE_BYTES, SimSpec
 
 Topology = Literal["disaggregated", "colocated"]
 PoolName = Literal["prefill", "decode", "engine"]
@@ -24,6 +24,30 @@ PoolName = Literal["prefill", "decode", "engine"]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SimConfig(_Strict):
+    """A simulated engine instead of vLLM (engine/sim/): steps timed by a profile, no engine
+    process, so many replicas fit on a small machine."""
+
+    profile: str = Field("cpu-smollm2", description="a profile of engine/sim/profiles/")
+    link: str | None = Field(
+        None, description="KV link of engine/sim/profiles/links.json; None: the profile's own"
+    )
+    start_delay_s: float = Field(
+        0.0, ge=0, description="seconds each replica takes to start (models loading weights)"
+    )
+
+    @model_validator(mode="after")
+    def _known(self) -> SimConfig:
+        from engine.sim.profile import load_link, load_profile
+
+        profile = load_profile(self.profile)
+        load_link(self.link or profile.default_link)
+        return self
+
+    def spec(self) -> SimSpec:
+        return SimSpec(self.profile, self.link, self.start_delay_s)
 
 
 class EngineConfig(_Strict):
@@ -52,6 +76,9 @@ class EngineConfig(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU share per engine")
     max_num_seqs: int = Field(64, ge=1, description="sequences one engine batches at most")
     seed: int = Field(0, ge=0, description="engine seed")
+    sim: SimConfig | None = Field(
+        None, description="a simulated engine (no vLLM process); needs kv_transfer.backend: sim"
+    )
 
     @model_validator(mode="after")
     def _cpu_blocks(self) -> EngineConfig:
@@ -95,7 +122,9 @@ class PoolConfig(_Strict):
 
 
 class TransferConfig(_Strict):
-    backend: Literal["nixl", "ray"] = Field("nixl", description="KV transfer backend")
+    backend: Literal["nixl", "ray", "sim"] = Field(
+        "nixl", description="KV transfer backend (sim: the simulated engines' only one)"
+    )
     failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="what decode does when the KV cannot be loaded or verified"
     )
@@ -152,6 +181,13 @@ class RouterConfig(_Strict):
         description="times a request moves to other replicas when an engine, a replica or a KV "
         "transfer fails under it (the prompt plus the tokens delivered start again there); "
         "past them the call fails: gRPC UNAVAILABLE, HTTP 503 or an SSE error event",
+    )
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="longest a request may take, admission to last token (s); past it the "
+        "call ends: gRPC DEADLINE_EXCEEDED, HTTP 504 or an SSE error event (a gRPC client's "
+        "own deadline ends the call sooner: Serve's proxy cancels it)",
     )
     api_keys_file: str | None = Field(
         None,
@@ -224,6 +260,8 @@ class AppConfig(_Strict):
             raise ValueError("router.default_max_tokens must be <= router.max_tokens_limit")
         if self.engine.block_size is not None and self.engine.block_size < 1:
             raise ValueError("engine.block_size must be >= 1")
+        if (self.engine.sim is not None) != (self.kv_transfer.backend == "sim"):
+            raise ValueError("engine.sim and kv_transfer.backend: sim go together")
         return self
 
     @property
@@ -231,6 +269,19 @@ class AppConfig(_Strict):
         if self.topology == "colocated":
             return {"engine": self.colocated}
         return {"prefill": self.prefill, "decode": self.decode}
+
+
+def with_sim_engine(
+    data: dict[str, Any], profile: str, link: str | None = None, start_delay_s: float = 0.0
+) -> dict[str, Any]:
+    """A config tree (`AppConfig.model_dump()`) turned to sim engines: the profile, the `sim`
+    backend, and pools that claim no Ray CPU or cores (a sim replica computes nothing)."""
+    data = {**data, "engine": dict(data["engine"]), "kv_transfer": dict(data["kv_transfer"])}
+    data["engine"]["sim"] = {"profile": profile, "link": link, "start_delay_s": start_delay_s}
+    data["kv_transfer"]["backend"] = "sim"
+    for pool in ("prefill", "decode", "colocated"):
+        data[pool] = {**data[pool], "num_cpus": 0, "cpu_cores": None}
+    return data
 
 
 def load_app_config(path: Path, **overrides: Any) -> AppConfig:

@@ -29,6 +29,7 @@ def engine_spec(config: AppConfig, pool: PoolName) -> EngineSpec:
         cpu_cores=tuple(cores) if cores else None,
         gpu_memory_utilization=engine.gpu_memory_utilization,
         served_model_name=engine.served_name,
+        sim=engine.sim.spec() if engine.sim else None,
     )
 
 
@@ -79,6 +80,7 @@ def router_settings(config: AppConfig, release_is_idempotent: bool = False) -> R
         max_messages=router.max_messages,
         max_body_bytes=router.max_body_bytes,
         max_migrations=router.max_migrations,
+        request_timeout_s=router.request_timeout_s,
     )
 
 

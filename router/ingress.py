@@ -50,6 +50,7 @@ from router.openai_api import (
 from router.pools import ColocatedEngines, DisaggregatedEngines
 from router.service import (
     Caller,
+    DeadlineExceeded,
     EngineStream,
     Overloaded,
     PreparedRequest,
@@ -112,6 +113,7 @@ class RouterSettings:
     max_body_bytes: int = 8 * 1024**2
     # Restarts of a request on other replicas after an engine failure (router/lifecycle.py).
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
+    request_timeout_s: float = 600.0
 
 
 def _router_replica_id() -> str:
@@ -162,6 +164,7 @@ class Router:
             on_finish=self._on_finish,
             replica_id=_router_replica_id(),
             key_limiter=SharedKeyLimiter(self.store) if self.store else LocalKeyLimiter(),
+            request_timeout_s=settings.request_timeout_s,
         )
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -270,6 +273,10 @@ class Router:
             raise
         except StreamInterrupted as exc:  # counted by the service, as an error
             grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
+            grpc_context.set_details(str(exc))
+            raise
+        except DeadlineExceeded as exc:  # counted by the service, as a timeout
+            grpc_context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
             grpc_context.set_details(str(exc))
             raise
 

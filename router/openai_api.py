@@ -25,6 +25,7 @@ from router.auth import Unauthenticated
 from router.lifecycle import StreamInterrupted
 from router.service import (
     Caller,
+    DeadlineExceeded,
     Overloaded,
     PreparedRequest,
     RouterService,
@@ -319,6 +320,8 @@ def _failure_status(exc: BaseException) -> tuple[int, str]:
     """(HTTP status, OpenAI error type) of a request that failed in the engines."""
     if isinstance(exc, StreamInterrupted):
         return 503, "service_unavailable"
+    if isinstance(exc, DeadlineExceeded):
+        return 504, "timeout"
     return 500, "internal_error"
 
 
@@ -396,6 +399,8 @@ async def openai_generate(
         return error_response(429, str(exc), "rate_limit_exceeded")
     except StreamInterrupted as exc:  # counted by the service, as an error
         return error_response(503, str(exc), "service_unavailable")
+    except DeadlineExceeded as exc:  # counted by the service, as a timeout
+        return error_response(504, str(exc), "timeout")
     return StreamingResponse(
         sse_events(reply, firsts, merged(streams)),
         media_type="text/event-stream",

@@ -42,6 +42,17 @@ class Overloaded(Exception):
     """The admission limits are full: retry later (RESOURCE_EXHAUSTED / HTTP 429)."""
 
 
+class DeadlineExceeded(TimeoutError):
+    """A request ran past `router.request_timeout_s` (gRPC DEADLINE_EXCEEDED, HTTP 504)."""
+
+    def __init__(self, request_id: str, num_delivered: int, timeout_s: float) -> None:
+        super().__init__(
+            f"request {request_id} ran past the router's {timeout_s:g} s limit "
+            f"(router.request_timeout_s) after {num_delivered} tokens were delivered"
+        )
+        self.num_delivered = num_delivered
+
+
 class EngineStream(Protocol):
     """The pools behind the router: disaggregated (prefill then decode) or colocated."""
 
@@ -82,7 +93,8 @@ class PreparedRequest:
     caller: Caller | None = None  # None: the app takes no keys
 
 
-# "ok", "cancelled", "error"; refused before admission (no timings): "invalid" (400),
+# "ok", "cancelled", "error", "timeout" (past router.request_timeout_s); refused before
+# admission (no timings): "invalid" (400),
 # "unauthenticated" (401), "too_large" (413), "overloaded" (429).
 Outcome = str
 FinishHook = Callable[[Outcome, RequestTimings | None, int], None]
@@ -110,6 +122,7 @@ class RouterService:
         on_finish: FinishHook | None = None,
         replica_id: str = "",
         key_limiter: KeyLimiter | None = None,
+        request_timeout_s: float = 600.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
@@ -120,6 +133,8 @@ class RouterService:
         self._on_finish = on_finish
         self.replica_id = replica_id  # this router replica, named in every request's timings
         self.key_limiter: KeyLimiter = key_limiter or LocalKeyLimiter()
+        # Every request's whole stream, from admission to its last token, is bounded by this.
+        self.request_timeout_s = request_timeout_s
 
     @property
     def num_in_flight(self) -> int:
@@ -232,8 +247,24 @@ class RouterService:
         outcome: Outcome = "cancelled"
         try:
             events = self.engines.stream(request)
+            deadline = asyncio.get_running_loop().time() + self.request_timeout_s
             try:
-                async for event in events:
+                while True:
+                    # The bound covers each wait for the engines, never the caller's time with
+                    # a chunk (a timeout must not cancel the consumer between two yields).
+                    bound = asyncio.timeout_at(deadline)
+                    try:
+                        async with bound:
+                            event = await anext(events)
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        if not bound.expired():
+                            raise  # the engines' own, not this bound
+                        outcome = "timeout"
+                        raise DeadlineExceeded(
+                            request.request_id, clock.num_tokens, self.request_timeout_s
+                        ) from None
                     if event.is_first:
                         self._state, ticket = finish_prefill(self._state, ticket)
                         clock.prefill_done(clock.since_arrival(), event.prefill_seconds)
@@ -273,7 +304,8 @@ class RouterService:
             finally:
                 await events.aclose()  # type: ignore[attr-defined]
         except Exception:
-            outcome = "error"
+            if outcome != "timeout":
+                outcome = "error"
             raise
         finally:
             self._state = release(self._state, ticket)

@@ -283,3 +283,32 @@ async def test_an_sse_stream_failing_after_it_started_ends_with_an_error_event_a
     assert "after 3 tokens were delivered" in body["message"]
     assert done == "data: [DONE]\n\n"
     assert [outcome for outcome, _, _ in finished] == ["error"]
+
+
+async def test_a_request_past_its_deadline_ends_deadline_exceeded_and_frees_its_slot() -> None:
+    """A decode that stalls after two tokens: the router's bound ends the call, counts it as a
+    timeout and releases its admission, while the chunks already sent stay sent."""
+    from router.service import DeadlineExceeded
+
+    finished: list[Finish] = []
+    service = RouterService(
+        FakeTokenizer(),
+        RequestLimits(served_models=frozenset({MODEL}), default_model=MODEL),
+        AdmissionLimits(max_in_flight=8, max_queued_prompt_tokens=1024),
+        64,
+        FakeEngines(FakePrefill(), FakeDecode("orld", gate=asyncio.Event(), gate_at=2)),
+        on_finish=lambda outcome, timings, n: finished.append((outcome, timings, n)),
+        request_timeout_s=0.3,
+    )
+    chunks: list[StreamChunk] = []
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(DeadlineExceeded) as raised:
+        async for chunk in service.stream(service.prepare({"prompt": "hello"}, "req-1")):
+            chunks.append(chunk)
+            await asyncio.sleep(0.05)  # the caller's own time is not cut short
+    assert 0.3 <= loop.time() - started < 2.0
+    assert "".join(c.text for c in chunks) == "Wor"
+    assert raised.value.num_delivered == 3 and "router.request_timeout_s" in str(raised.value)
+    assert [(outcome, n) for outcome, _, n in finished] == [("timeout", 3)]
+    assert service.num_in_flight == 0
