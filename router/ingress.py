@@ -47,6 +47,7 @@ from router.openai_api import (
     openai_generate,
     unauthenticated_response,
 )
+from router.openai_fields import sampling_defaults
 from router.pools import ColocatedEngines, DisaggregatedEngines
 from router.service import (
     Caller,
@@ -165,6 +166,7 @@ class Router:
             replica_id=_router_replica_id(),
             key_limiter=SharedKeyLimiter(self.store) if self.store else LocalKeyLimiter(),
             request_timeout_s=settings.request_timeout_s,
+            openai_defaults=sampling_defaults(model_path),
         )
         self._background: set[asyncio.Task[Any]] = set()
 

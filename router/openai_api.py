@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 from engine.messages import TokenLogprobs
 from router.auth import Unauthenticated
 from router.lifecycle import StreamInterrupted
+from router.openai_fields import with_defaults
 from router.service import (
     Caller,
     DeadlineExceeded,
@@ -377,6 +378,7 @@ async def openai_generate(
             raise InvalidRequest(other, f"not accepted here; this endpoint takes {field}")
         if field not in body:
             raise InvalidRequest(field, "is required")
+        body = with_defaults(body, service.openai_defaults)
         client_id = client_request_id(request, body)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
         # The engines need an id no other request has, whatever the client sent.

@@ -18,7 +18,9 @@ models, so a vLLM upgrade that adds a field fails there, not at a client.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 HONOURED = frozenset(
@@ -101,3 +103,36 @@ def _is_default(value: object, defaults: tuple[Any, ...]) -> bool:
         )
         for default in defaults
     )
+
+
+# vLLM's defaults for what a request leaves out, where the model's generation_config says
+# nothing (CompletionRequest._DEFAULT_SAMPLING_PARAMS): sampling at temperature 1.
+VLLM_SAMPLING_DEFAULTS: Mapping[str, float] = {"temperature": 1.0}
+# generation_config.json keys vLLM takes as request defaults (ModelConfig.get_diff_sampling_param).
+_GENERATION_CONFIG_KEYS = (
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+)
+
+
+def sampling_defaults(model_path: Path) -> dict[str, float]:
+    """The OpenAI surface's defaults for a request's sampling fields, as vLLM's server takes
+    them: the model's generation_config.json where it sets any of them, else vLLM's own."""
+    path = model_path / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    found = {k: config[k] for k in _GENERATION_CONFIG_KEYS if config.get(k) is not None}
+    return found or dict(VLLM_SAMPLING_DEFAULTS)
+
+
+def with_defaults(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """`body` with each default filled in where the field is missing or null."""
+    filled = dict(body)
+    for name, value in defaults.items():
+        if filled.get(name) is None:
+            filled[name] = value
+    return filled

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -123,6 +123,7 @@ class RouterService:
         replica_id: str = "",
         key_limiter: KeyLimiter | None = None,
         request_timeout_s: float = 600.0,
+        openai_defaults: Mapping[str, float] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
@@ -135,6 +136,9 @@ class RouterService:
         self.key_limiter: KeyLimiter = key_limiter or LocalKeyLimiter()
         # Every request's whole stream, from admission to its last token, is bounded by this.
         self.request_timeout_s = request_timeout_s
+        # Sampling defaults of OpenAI requests (vLLM's: the model's generation_config, else
+        # temperature 1); gRPC requests default to greedy, as the proto says.
+        self.openai_defaults: dict[str, float] = dict(openai_defaults or {})
 
     @property
     def num_in_flight(self) -> int:

@@ -21,6 +21,9 @@ pytestmark = pytest.mark.engine
 
 PROMPT = "The router streams the first token"
 CHAT = [{"role": "user", "content": "What does the decode pool do?"}]
+# Greedy comparisons send temperature 0: like vLLM's server, the OpenAI surface samples at the
+# model's generation_config defaults (else temperature 1) when a request names none.
+IGNORE_EOS = {"ignore_eos": True}
 
 
 def _client(app: ServedApp) -> object:
@@ -43,10 +46,15 @@ def test_completions(serve_apps: dict[str, ServedApp], tiny_engine: LocalEngine,
     want = _expected_text(tiny_engine, tiny_engine.encode(PROMPT), 12)
     with app.expect_kv_loaded(2):
         whole = client.completions.create(  # type: ignore[attr-defined]
-            model="tiny", prompt=PROMPT, max_tokens=12, extra_body={"ignore_eos": True}
+            model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body=IGNORE_EOS
         )
         stream = client.completions.create(  # type: ignore[attr-defined]
-            model="tiny", prompt=PROMPT, max_tokens=12, stream=True, extra_body={"ignore_eos": True}
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            extra_body=IGNORE_EOS,
         )
         chunks = list(stream)
     assert whole.choices[0].text == want
@@ -69,10 +77,15 @@ def test_chat_completions(
     )
     with app.expect_kv_loaded(2):
         whole = client.chat.completions.create(  # type: ignore[attr-defined]
-            model="tiny", messages=CHAT, max_tokens=10, extra_body={"ignore_eos": True}
+            model="tiny", messages=CHAT, max_tokens=10, temperature=0, extra_body=IGNORE_EOS
         )
         stream = client.chat.completions.create(  # type: ignore[attr-defined]
-            model="tiny", messages=CHAT, max_tokens=10, stream=True, extra_body={"ignore_eos": True}
+            model="tiny",
+            messages=CHAT,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            extra_body=IGNORE_EOS,
         )
         chunks = list(stream)
     assert whole.choices[0].message.role == "assistant"
@@ -150,7 +163,11 @@ def test_vllm_sampling_fields_are_honoured_as_the_engine_does(
     greedy = tiny_engine.generate([tiny_engine.encode(PROMPT)], make_greedy(12, ignore_eos=True))
     stop_id = greedy[0].token_ids[5]
     stopped = client.completions.create(  # type: ignore[attr-defined]
-        model="tiny", prompt=PROMPT, max_tokens=12, extra_body={"stop_token_ids": [stop_id]}
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop_id]},
     )
     cut = greedy[0].token_ids[: greedy[0].token_ids.index(stop_id) + 1]
     assert stopped.usage.completion_tokens == len(cut)
@@ -252,7 +269,7 @@ def test_logprobs_are_the_engines_the_first_from_prefill(
     assert want.logprobs is not None
     text_of = {t: tiny_engine.tokenizer.decode([t]) for e in want.logprobs for t, _ in e}
     got = client.completions.create(  # type: ignore[attr-defined]
-        model="tiny", prompt=PROMPT, max_tokens=6, logprobs=2, extra_body={"ignore_eos": True}
+        model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, extra_body=IGNORE_EOS
     )
     lp = got.choices[0].logprobs
     assert lp.tokens == [text_of[e[0][0]] for e in want.logprobs]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +14,14 @@ import pytest
 from engine.messages import token_logprobs
 from router.admission import AdmissionLimits
 from router.openai_api import Reply, merged, sse_events, whole_response
-from router.openai_fields import AT_DEFAULT_ONLY, HONOURED, IGNORED, KNOWN
+from router.openai_fields import (
+    AT_DEFAULT_ONLY,
+    HONOURED,
+    IGNORED,
+    KNOWN,
+    sampling_defaults,
+    with_defaults,
+)
 from router.service import RouterService, StreamChunk, Usage
 from router.timings import RequestTimings
 from router.validation import InvalidRequest, RequestLimits
@@ -195,3 +203,20 @@ def test_chat_top_logprobs_need_logprobs() -> None:
     with pytest.raises(InvalidRequest) as error:
         service.prepare(body_for(False, logprobs=21), "req-1")
     assert (error.value.field, "in [0, 20]" in str(error.value)) == ("logprobs", True)
+
+
+def test_openai_defaults_are_the_models_generation_config_else_vllms(tmp_path: Path) -> None:
+    from engine.models import resolve_model
+
+    # The built-in models' generation_config sets no sampling field: vLLM samples at 1.0.
+    assert sampling_defaults(resolve_model("tiny")) == {"temperature": 1.0}
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.9, "eos_token_id": 2, "top_k": None})
+    )
+    assert sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9}
+    body = {"prompt": "x", "temperature": None, "top_p": 0.5}
+    assert with_defaults(body, sampling_defaults(tmp_path)) == {
+        "prompt": "x",
+        "temperature": 0.6,
+        "top_p": 0.5,
+    }
