@@ -24,7 +24,7 @@ LOCAL_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "loc
 
 
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
-    from bench.systems import SYSTEMS
+    from bench.systems import ALL_SYSTEMS, DEFAULT_SIM_PROFILE, SYSTEMS
     from bench.workload import workload_names
 
     bench = commands.add_parser("bench", help="latency, goodput and cost, side by side")
@@ -41,7 +41,12 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
         help=f"named ({', '.join(workload_names())}) or a YAML file; repeat for several "
         "(default: chat)",
     )  # fmt: skip
-    run.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    run.add_argument("--systems", nargs="+", choices=ALL_SYSTEMS, default=list(SYSTEMS))
+    run.add_argument(
+        "--sim-profile",
+        default=DEFAULT_SIM_PROFILE,
+        help="the sim system's profile when the config names none (engine/sim/profiles/)",
+    )
     run.add_argument("--config", default=str(LOCAL_CONFIG), help="pdserve config the apps use")
     run.add_argument("--model", help="override engine.model (also the prompts' tokenizer)")
     endpoint = run.add_argument_group("a running endpoint instead of --systems")
@@ -143,7 +148,10 @@ def _systems(
         return [partial(_running, HttpTarget(args.label, args.http, api_key=api_key))]
     from bench.systems import start_system
 
-    return [partial(start_system, system, config) for system in args.systems]
+    return [
+        partial(start_system, system, config, sim_profile=args.sim_profile)
+        for system in args.systems
+    ]
 
 
 @contextmanager

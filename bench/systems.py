@@ -3,7 +3,9 @@ never share the cores:
 
 - `disaggregated`: `pdserve up` (its own Ray head, Redis, Serve app), prefill and decode pools;
 - `colocated`: the same, with one engine pool serving both phases;
-- `engine`: vLLM's AsyncLLM in this process, with the prefill pool's engine settings and cores.
+- `engine`: vLLM's AsyncLLM in this process, with the prefill pool's engine settings and cores;
+- `sim`: the disaggregated app with simulated engines (engine/sim/): the config's `engine.sim`,
+  else the named profile. Not in the default set: it measures pdserve, not an engine.
 
 Autoscaling is off in a benchmark: the pools keep the sizes the config gives, so the three
 systems run on the same cores throughout. Ports are free ones, and the run state lives in a
@@ -20,27 +22,40 @@ from contextlib import contextmanager
 from typing import Literal
 
 from bench.targets import EngineTarget, GrpcTarget, Target
-from deploy.config import AppConfig
+from deploy.config import AppConfig, with_sim_engine
 
-SystemName = Literal["disaggregated", "colocated", "engine"]
+SystemName = Literal["disaggregated", "colocated", "engine", "sim"]
 SYSTEMS: tuple[SystemName, ...] = ("disaggregated", "colocated", "engine")
+ALL_SYSTEMS: tuple[SystemName, ...] = (*SYSTEMS, "sim")
+DEFAULT_SIM_PROFILE = "cpu-smollm2"
 
 
-def bench_config(config: AppConfig, system: SystemName) -> AppConfig:
+def bench_config(
+    config: AppConfig, system: SystemName, sim_profile: str = DEFAULT_SIM_PROFILE
+) -> AppConfig:
     data = config.model_dump()
     data["autoscaling"]["enabled"] = False
-    if system != "engine":
+    if system == "sim":
+        if data["engine"]["sim"] is None:
+            data = with_sim_engine(data, sim_profile)
+        data["topology"] = "disaggregated"
+    elif system != "engine":
         data["topology"] = system
     return AppConfig.model_validate(data)
 
 
 @contextmanager
-def start_system(system: SystemName, config: AppConfig, timeout_s: float = 900) -> Iterator[Target]:
+def start_system(
+    system: SystemName,
+    config: AppConfig,
+    timeout_s: float = 900,
+    sim_profile: str = DEFAULT_SIM_PROFILE,
+) -> Iterator[Target]:
     if system == "engine":
         with _bare_engine(config) as target:
             yield target
     else:
-        with _pdserve(system, bench_config(config, system), timeout_s) as target:
+        with _pdserve(system, bench_config(config, system, sim_profile), timeout_s) as target:
             yield target
 
 

@@ -33,7 +33,7 @@ def _cmd_model_prepare(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from deploy.config import AppConfig, load_app_config
+    from deploy.config import AppConfig, load_app_config, with_sim_engine
     from deploy.up import PhaseClock, up
 
     data = load_app_config(Path(args.config)).model_dump()
@@ -43,6 +43,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         data["topology"] = args.topology
     if args.backend:
         data["kv_transfer"]["backend"] = args.backend
+    if args.engine == "sim":
+        data = with_sim_engine(data, args.profile, args.sim_link, args.start_delay)
     config = AppConfig.model_validate(data)
     if bool(args.tls_cert) != bool(args.tls_key):
         print("pdserve up: --tls-cert and --tls-key go together", file=sys.stderr)
@@ -241,6 +243,17 @@ def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
     up.add_argument("--model", help="override engine.model (built-in name or HF folder)")
     up.add_argument("--topology", choices=["disaggregated", "colocated"])
     up.add_argument("--backend", choices=["nixl", "ray"], help="KV transfer backend")
+    up.add_argument(
+        "--engine",
+        choices=["vllm", "sim"],
+        default="vllm",
+        help="sim: simulated engines timed by --profile (no engine process, no Ray CPU)",
+    )
+    up.add_argument("--profile", default="cpu-smollm2", help="--engine sim: engine/sim/profiles/")
+    up.add_argument("--sim-link", help="--engine sim: KV link (default: the profile's)")
+    up.add_argument(
+        "--start-delay", type=float, default=0.0, help="--engine sim: seconds a replica takes"
+    )
     up.add_argument("--http-port", type=int, default=8000)
     up.add_argument("--grpc-port", type=int, default=9000)
     up.add_argument("--timeout", type=float, default=900, help="seconds to wait for healthy")

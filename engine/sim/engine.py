@@ -271,7 +271,9 @@ class SimAsyncLLM:
 
 
 def start_sim_engine(
-    settings: EngineSettings, recorder: EngineStatsRecorder | None = None
+    settings: EngineSettings,
+    recorder: EngineStatsRecorder | None = None,
+    import_vllm: bool = True,
 ) -> tuple[SimAsyncLLM, float]:
     """A SimAsyncLLM for `settings` (whose `sim` names the profile), after the configured start
     delay (model loading, modelled), and the seconds it took."""
@@ -279,6 +281,11 @@ def start_sim_engine(
     if spec is None:
         raise ValueError("start_sim_engine needs settings with a sim spec")
     started = time.perf_counter()
+    if import_vllm:
+        # The workers build vLLM's SamplingParams per request: vLLM's import (~9 s and ~0.5 GB
+        # here, torch included) is paid at start, not in the first request's TTFT.
+        import vllm  # noqa: F401
+
     profile = load_profile(spec.profile)
     link = load_link(spec.link or profile.default_link)
     engine = SimAsyncLLM(settings, profile, link, TokenSource.for_model(settings.model), recorder)

@@ -153,3 +153,21 @@ def test_shipped_profiles_load_and_time_a_step() -> None:
     assert 1 / cpu.step_seconds([], [100]) == pytest.approx(16.8, rel=0.02)
     with pytest.raises(ValueError, match="unknown sim profile"):
         load_profile("links")
+
+
+def test_start_takes_the_configured_delay(tmp_path: Path) -> None:
+    from engine.settings import SimSpec
+    from engine.sim.engine import start_sim_engine
+
+    (tmp_path / "tokenizer.json").write_text(
+        '{"added_tokens": [{"id": 0}], "model": {"vocab": {"a": 0, "b": 1, "c": 2}}}'
+    )
+    settings = EngineSettings(model=tmp_path, sim=SimSpec("zero", start_delay_s=0.2))
+    engine, seconds = start_sim_engine(settings, import_vllm=False)
+    assert 0.2 <= seconds < 0.5
+    assert engine.scheduler.tokens.token_ids == (1, 2)
+    assert engine.link.name == "instant"
+    with pytest.raises(ValueError, match="unknown sim link"):
+        start_sim_engine(
+            EngineSettings(model=tmp_path, sim=SimSpec("zero", "carrier-pigeon")), import_vllm=False
+        )
