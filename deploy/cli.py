@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deploy.cli_ops import add_operator_commands
+from deploy.cli_sim import add_sim_commands
 from engine.models import builtin_names, resolve_model
 
 if TYPE_CHECKING:
@@ -312,6 +313,7 @@ def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     add_operator_commands(commands)
+    add_sim_commands(commands)
     for add_commands in more_commands:
         add_commands(commands)
 
