@@ -370,7 +370,6 @@ async def openai_generate(
 ) -> Any:
     """One OpenAI completion or chat completion; the stream starts only once the request has
     been admitted and its first token is out, so errors still get a proper status code."""
-    client_id: str | None = None
     try:
         body = await read_json(request, max_body_bytes)
         field, other = ("messages", "prompt") if chat else ("prompt", "messages")
@@ -388,7 +387,7 @@ async def openai_generate(
         streams = [service.stream(p) for p in prepared]
         if not reply.validated.stream:
             whole = await whole_response(reply, merged(streams))
-            return JSONResponse(whole, headers=_echo(client_id))
+            return JSONResponse(whole)
         firsts = await _firsts(streams)
     except InvalidRequest as exc:
         service.record_refusal("invalid")
@@ -406,7 +405,6 @@ async def openai_generate(
     return StreamingResponse(
         sse_events(reply, firsts, merged(streams)),
         media_type="text/event-stream",
-        headers=_echo(client_id),
     )
 
 
@@ -419,10 +417,6 @@ async def _firsts(streams: list[AsyncIterator[StreamChunk]]) -> list[StreamChunk
         for stream in streams:
             await stream.aclose()  # type: ignore[attr-defined]
         raise
-
-
-def _echo(client_id: str | None) -> dict[str, str]:
-    return {"X-Request-Id": client_id} if client_id else {}
 
 
 def models_body(model_id: str, max_model_len: int) -> dict[str, Any]:
