@@ -9,13 +9,11 @@ either role).
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 
-from engine.async_engine import ServedEngine, engine_times, start_async_engine
+from engine.async_engine import ServedEngine, start_async_engine
 from engine.messages import GenerationRequest, TokenEvent
-from engine.sampling import logprobs_of, to_sampling_params
 from engine.settings import EngineSettings
 from prefill_workers.replica import ReplicaSettings, ReplicaShell
 
@@ -27,40 +25,6 @@ class ColocatedEngine(ServedEngine):
 
     def start(self) -> None:
         self.engine, self.start_seconds = start_async_engine(self.settings, recorder=self.stats)
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        request = request.with_pinned_seed()
-        sampling = to_sampling_params(request.params, served=True)
-        started = time.perf_counter()
-        num_seen = 0
-        async for output in self.engine.generate(
-            {"prompt_token_ids": list(request.prompt_token_ids)}, sampling, request.request_id
-        ):
-            completion = output.outputs[0]
-            new_ids = tuple(int(t) for t in completion.token_ids)  # delta outputs: the new ids
-            logprobs = logprobs_of(completion, request.params)
-            if not new_ids and completion.finish_reason is None:
-                continue
-            if num_seen == 0 and new_ids:
-                _, compute_s = engine_times(output.metrics, time.perf_counter() - started)
-                first = TokenEvent(
-                    new_ids[:1],
-                    completion.finish_reason if len(new_ids) == 1 else None,
-                    is_first=True,
-                    prefill_seconds=compute_s,
-                    replica_id=self.worker_id,
-                    logprobs=logprobs[:1] if logprobs is not None else None,
-                )
-                yield first
-                num_seen = 1
-                new_ids = new_ids[1:]
-                logprobs = logprobs[1:] if logprobs is not None else None
-                if not new_ids and first.finish_reason is not None:
-                    return
-                if not new_ids and completion.finish_reason is None:
-                    continue
-            num_seen += len(new_ids)
-            yield TokenEvent(new_ids, completion.finish_reason, logprobs=logprobs)
 
 
 class ColocatedServer(ReplicaShell):

@@ -33,12 +33,24 @@ class DecodeServer(ReplicaShell):
         self, request: GenerationRequest, handoff: KVHandoff, avoid: tuple[str, ...] = ()
     ) -> AsyncIterator[TokenEvent]:
         """`avoid` is for the request router (replicas that failed this request)."""
+        async for event in self._timed(self._worker.decode(request, handoff)):
+            yield event
+
+    async def generate(
+        self, request: GenerationRequest, avoid: tuple[str, ...] = ()
+    ) -> AsyncIterator[TokenEvent]:
+        """The whole request here, prefill included (the router's choice when no prefill
+        replica could take it); the first event carries the first token."""
+        async for event in self._timed(self._worker.generate(request)):
+            yield event
+
+    async def _timed(self, events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
         # TPOT of this request on this replica: from its first decoded token to its last.
         first_at = last_at = 0.0
         num_tokens = 0
         with self.failures_named():
-            async for event in self._worker.decode(request, handoff):
-                if event.token_ids:
+            async for event in events:
+                if event.token_ids and not event.is_first:
                     last_at = time.perf_counter()
                     first_at = first_at or last_at
                     num_tokens += len(event.token_ids)

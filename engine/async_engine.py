@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from engine.messages import ReplicaLoad
+from engine.messages import GenerationRequest, ReplicaLoad, TokenEvent
+from engine.sampling import logprobs_of, to_sampling_params
 from engine.settings import EngineSettings
 from engine.stats import EngineStatsRecorder, engine_stat_loggers
 
@@ -93,6 +95,43 @@ class ServedEngine:
             num_kv_recomputed_tokens=loads.num_recomputed_tokens,
             is_healthy=not self.engine.errored,
         )
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """The whole request on this engine, prefill and decode, no KV transfer: the colocated
+        topology's call, and a decode engine's when the router has it prefill for itself. The
+        first event carries the first token and its prefill timings."""
+        request = request.with_pinned_seed()
+        sampling = to_sampling_params(request.params, served=True)
+        started = time.perf_counter()
+        num_seen = 0
+        async for output in self.engine.generate(
+            {"prompt_token_ids": list(request.prompt_token_ids)}, sampling, request.request_id
+        ):
+            completion = output.outputs[0]
+            new_ids = tuple(int(t) for t in completion.token_ids)  # delta outputs: the new ids
+            logprobs = logprobs_of(completion, request.params)
+            if not new_ids and completion.finish_reason is None:
+                continue
+            if num_seen == 0 and new_ids:
+                _, compute_s = engine_times(output.metrics, time.perf_counter() - started)
+                first = TokenEvent(
+                    new_ids[:1],
+                    completion.finish_reason if len(new_ids) == 1 else None,
+                    is_first=True,
+                    prefill_seconds=compute_s,
+                    replica_id=self.worker_id,
+                    logprobs=logprobs[:1] if logprobs is not None else None,
+                )
+                yield first
+                num_seen = 1
+                new_ids = new_ids[1:]
+                logprobs = logprobs[1:] if logprobs is not None else None
+                if not new_ids and first.finish_reason is not None:
+                    return
+                if not new_ids and completion.finish_reason is None:
+                    continue
+            num_seen += len(new_ids)
+            yield TokenEvent(new_ids, completion.finish_reason, logprobs=logprobs)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

@@ -10,7 +10,9 @@ with the prompt plus every token already delivered, and max_tokens less those; t
 stream goes on from the next token, with no token repeated or missing (greedy output is the
 uninterrupted run's). The replicas that failed the request are passed on (`avoid`) so the
 request routers choose others. After `max_migrations` such restarts the next failure is a
-`StreamInterrupted` naming how many tokens were delivered. Errors in the request itself
+`StreamInterrupted` naming how many tokens were delivered. A request that failed on
+`PREFILL_TRIES` prefill replicas (or on one, when its next attempt is its last) is prefilled by
+a decode replica itself, with no transfer. Errors in the request itself
 (ValueError: too long a prompt, a KV layout mismatch) are not retried.
 
 The pools are ports: a PrefillWorker/DecodeWorker in-process (engine tests), or Serve handles to
@@ -38,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 # Restarts of one request after an engine failure before its stream fails.
 DEFAULT_MAX_MIGRATIONS = 2
+# Prefill replicas a request is sent to before a decode replica prefills it itself (sooner when
+# the next attempt is its last).
+PREFILL_TRIES = 2
 
 NO_REPLICAS: frozenset[str] = frozenset()
 
@@ -59,6 +64,12 @@ class DecodePort(Protocol):
     def decode(
         self, request: GenerationRequest, handoff: KVHandoff, avoid: frozenset[str] = NO_REPLICAS
     ) -> AsyncIterator[TokenEvent]: ...
+
+    def generate(
+        self, request: GenerationRequest, avoid: frozenset[str] = NO_REPLICAS
+    ) -> AsyncIterator[TokenEvent]:
+        """The whole request on a decode replica, prefill included (no prefill replica)."""
+        ...
 
     async def release(self, handoff: KVHandoff) -> None: ...
 
@@ -118,7 +129,15 @@ def generate_disaggregated(
     """Prefill, then decode, moved to other replicas when one fails (see the module's doc).
     The stream itself, not a wrapper: closing it closes the attempt under it at once."""
 
+    failed: list[_Holder] = []  # the attempts so far: each new one means the last failed
+
     def attempt(request: GenerationRequest, avoid: frozenset[str], at: _Holder) -> Attempt:
+        num_prefill_failures = sum(1 for h in failed if h.phase == "prefill")
+        is_last = len(failed) == max_migrations
+        failed.append(at)
+        if num_prefill_failures >= PREFILL_TRIES or (num_prefill_failures and is_last):
+            # No prefill replica could take it: a decode replica prefills for itself.
+            return _on_decode_alone(decode, request, avoid, at)
         return _one_attempt(prefill, decode, request, avoid, at)
 
     return migrating(attempt, request, max_migrations, on_failure)
@@ -204,9 +223,22 @@ async def migrating(
 
 class _Holder:
     """The replica holding an attempt's request now (None: not known, e.g. decode was called
-    and has not answered yet)."""
+    and has not answered yet), and the phase it is in."""
 
     replica: str | None = None
+    phase: str = "prefill"
+
+
+async def _on_decode_alone(
+    decode: DecodePort, request: GenerationRequest, avoid: frozenset[str], at: _Holder
+) -> AsyncGenerator[TokenEvent]:
+    """The whole request on a decode replica, which prefills it itself (no KV transfer)."""
+    at.phase = "decode"
+    async with contextlib.aclosing(decode.generate(request, avoid)) as events:  # type: ignore[type-var]
+        async for event in events:
+            if event.replica_id:
+                at.replica = event.replica_id
+            yield event
 
 
 async def _one_attempt(
@@ -219,6 +251,7 @@ async def _one_attempt(
     """Prefill then decode once; `at` follows the replica that holds the request."""
     result = await _prefill_or_give_back(prefill, decode, request, avoid)
     at.replica = result.handoff.producer_id
+    at.phase = "decode"
     decoding = False
     try:
         yield TokenEvent(

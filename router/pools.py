@@ -107,6 +107,11 @@ class DecodePool(_Pool):
     ) -> AsyncIterator[TokenEvent]:
         return self._stream("decode", request, handoff, avoid=avoid)
 
+    def generate(
+        self, request: GenerationRequest, avoid: frozenset[str] = NO_REPLICAS
+    ) -> AsyncIterator[TokenEvent]:
+        return self._stream("generate", request, avoid=avoid)
+
     async def release(self, handoff: KVHandoff) -> None:
         await self._handle.release.remote(handoff)
 

@@ -152,8 +152,11 @@ class FakeDecode:
         error_at: int | None = None,
         fail_times: int | None = None,
         names_replica: bool = False,
+        first: str = "W",
     ) -> None:
         self.text = text
+        self.first = first
+        self.local: list[GenerationRequest] = []
         self.fail_times = fail_times
         self.names_replica = names_replica
         self.finish_reason = finish_reason
@@ -193,6 +196,23 @@ class FakeDecode:
                 (ord(char),),
                 self.finish_reason if last else None,
                 replica_id=f"decode-{call}" if index == 0 else "",
+            )
+
+    async def generate(
+        self, request: GenerationRequest, avoid: frozenset[str] = frozenset()
+    ) -> AsyncIterator[TokenEvent]:
+        """The whole answer (`first` then `text`) here, as a decode replica that prefills for
+        itself; the first event is the first token, naming "decode-local-<call index>"."""
+        self.local.append(request)
+        self.avoided.append(avoid)
+        answer = (self.first + self.text)[_num_delivered(self.requests + self.local, request) :]
+        for index, char in enumerate(answer):
+            last = index == len(answer) - 1
+            yield TokenEvent(
+                (ord(char),),
+                self.finish_reason if last else None,
+                is_first=index == 0,
+                replica_id=f"decode-local-{len(self.local) - 1}" if index == 0 else "",
             )
 
     async def release(self, handoff: KVHandoff) -> None:

@@ -239,14 +239,14 @@ def _replica_actor(worker_id: str) -> Any:
     return ray.get_actor(name, namespace="serve")
 
 
-def _engine_core_of(worker_id: str) -> int:
-    """The PID of the EngineCore process under the decode replica `worker_id` names: the
-    replica actor's own child, which vLLM titles VLLM::EngineCore."""
+def _engine_core_of(worker_id: str, actor: Any = None) -> int:
+    """The PID of the EngineCore process under the decode replica `worker_id` names (or under
+    `actor`): the replica actor's own child, which vLLM titles VLLM::EngineCore."""
     import os
 
     import ray
 
-    actor = _replica_actor(worker_id)
+    actor = actor or _replica_actor(worker_id)
     replica_pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
     (engine_core,) = children_named(replica_pid, "EngineCore")
     return int(engine_core)
@@ -298,3 +298,37 @@ def test_a_stream_whose_decode_engine_dies_goes_on_elsewhere_token_for_token(
     assert ok == ok_before + 8
     assert metric_sum(scrape(), "pdserve_requests_total", app=APP, outcome="error") == 0
     assert wait_metric_at_least("pdserve_migrations_total", 1, app=APP) >= 1
+
+
+def test_with_every_prefill_engine_dead_a_decode_replica_prefills_for_itself(
+    route_app: ServedApp,
+) -> None:
+    """Runs after the decode kill: both prefill replicas' EngineCores are killed. A request
+    fails on one prefill replica, then on the other, and is then prefilled on a decode replica
+    itself: the client gets the greedy answer it got before, counted ok."""
+    import os
+    import signal
+
+    import ray
+
+    prompt = f"Prefill pool down {uuid.uuid4().hex}. " * 2
+    options: dict[str, Any] = {"max_tokens": 24, "ignore_eos": True}
+    prefix = f"SERVE_REPLICA::{APP}#Prefill#"
+    with route_app.client() as client:
+        reference = collect(client.generate(prompt, **options))
+        names = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)
+        ]
+        assert len(names) == 2, names
+        for name in names:
+            actor = ray.get_actor(name, namespace="serve")
+            os.kill(_engine_core_of("", actor), signal.SIGKILL)
+        ok_before = metric_sum(scrape(), "pdserve_requests_total", app=APP, outcome="ok")
+        done = collect(client.generate(prompt, **options))
+    assert list(done.token_ids) == list(reference.token_ids)
+    assert done.timings.prefill_replica.startswith("decode")  # who computed the prompt
+    assert wait_metric("pdserve_requests_total", ok_before + 1, app=APP, outcome="ok") == (
+        ok_before + 1
+    )

@@ -201,6 +201,26 @@ async def test_a_prefill_failure_before_the_first_token_is_retried_as_it_was() -
     assert prefill.requests[1].params.max_tokens == 5
 
 
+async def test_when_no_prefill_replica_can_a_decode_replica_prefills_for_itself() -> None:
+    prefill = FakePrefill(error=RuntimeError("the prefill replica died"))
+    decode = FakeDecode()
+    events = await collect(generate_disaggregated(prefill, decode, make_request(max_tokens=5)))
+    assert tokens(events) == ids("World") and events[0].is_first
+    assert events[0].replica_id == "decode-local-0"
+    assert [r.request_id for r in prefill.requests] == ["req-1", "req-1~1"]
+    assert [r.request_id for r in decode.local] == ["req-1~2"]
+    assert decode.decoded == [] and not any(e.is_decode_start for e in events)
+
+
+async def test_a_last_attempt_after_a_prefill_failure_goes_to_a_decode_replica() -> None:
+    prefill = FakePrefill(error=RuntimeError("the prefill replica died"))
+    decode = FakeDecode()
+    stream = generate_disaggregated(prefill, decode, make_request(max_tokens=5), max_migrations=1)
+    assert tokens(await collect(stream)) == ids("World")
+    assert [r.request_id for r in prefill.requests] == ["req-1"]
+    assert [r.request_id for r in decode.local] == ["req-1~1"]
+
+
 async def test_a_decode_stream_that_ends_unfinished_is_released_where_safe() -> None:
     prefill = FakePrefill()
     decode = FakeDecode("orld", finish_reason=None, release_is_idempotent=True)
