@@ -182,6 +182,13 @@ class RouterConfig(_Strict):
         "transfer fails under it (the prompt plus the tokens delivered start again there); "
         "past them the call fails: gRPC UNAVAILABLE, HTTP 503 or an SSE error event",
     )
+    local_prefill_max_tokens: int = Field(
+        0,
+        ge=0,
+        description="disaggregated topology: a new request whose prompt is at most this many "
+        "tokens is prefilled on its decode replica itself, with no KV transfer (0: every "
+        "request goes to the prefill pool); counted in pdserve_pd_decisions_total{path}",
+    )
     request_timeout_s: float = Field(
         600.0,
         gt=0,

@@ -81,6 +81,7 @@ def router_settings(config: AppConfig, release_is_idempotent: bool = False) -> R
         max_body_bytes=router.max_body_bytes,
         max_migrations=router.max_migrations,
         request_timeout_s=router.request_timeout_s,
+        local_prefill_max_tokens=router.local_prefill_max_tokens,
     )
 
 

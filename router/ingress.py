@@ -48,6 +48,7 @@ from router.openai_api import (
     unauthenticated_response,
 )
 from router.openai_fields import sampling_defaults
+from router.policy import LocalPrefill
 from router.pools import ColocatedEngines, DisaggregatedEngines
 from router.service import (
     Caller,
@@ -115,6 +116,7 @@ class RouterSettings:
     # Restarts of a request on other replicas after an engine failure (router/lifecycle.py).
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
     request_timeout_s: float = 600.0
+    local_prefill_max_tokens: int = 0
 
 
 def _router_replica_id() -> str:
@@ -145,6 +147,11 @@ class Router:
                 settings.release_is_idempotent,
                 settings.max_migrations,
                 on_move=self.metrics.count_migration,
+                local_prefill=LocalPrefill(
+                    settings.local_prefill_max_tokens, self.metrics.count_decision
+                )
+                if settings.local_prefill_max_tokens
+                else None,
             )
         url = settings.control_url
         self.store = ControlStore.from_url(url, settings.app) if url else None

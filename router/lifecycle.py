@@ -125,16 +125,22 @@ def generate_disaggregated(
     request: GenerationRequest,
     max_migrations: int = DEFAULT_MAX_MIGRATIONS,
     on_failure: FailureHook | None = None,
+    prefill_locally: Callable[[GenerationRequest], bool] | None = None,
 ) -> AsyncGenerator[TokenEvent]:
     """Prefill, then decode, moved to other replicas when one fails (see the module's doc).
-    The stream itself, not a wrapper: closing it closes the attempt under it at once."""
+    The stream itself, not a wrapper: closing it closes the attempt under it at once.
+    `prefill_locally(request)`: the router's choice for a new request; True sends it whole to a
+    decode replica, which prefills it itself (conditional disaggregation)."""
 
     failed: list[_Holder] = []  # the attempts so far: each new one means the last failed
 
     def attempt(request: GenerationRequest, avoid: frozenset[str], at: _Holder) -> Attempt:
         num_prefill_failures = sum(1 for h in failed if h.phase == "prefill")
         is_last = len(failed) == max_migrations
+        is_new = not failed
         failed.append(at)
+        if is_new and prefill_locally is not None and prefill_locally(request):
+            return _on_decode_alone(decode, request, avoid, at)
         if num_prefill_failures >= PREFILL_TRIES or (num_prefill_failures and is_last):
             # No prefill replica could take it: a decode replica prefills for itself.
             return _on_decode_alone(decode, request, avoid, at)

@@ -43,6 +43,15 @@ class RouterMetrics:
         # Exported at 0 from the start (a dashboard reads 0, not "no data", until the first
         # move); Ray's public `inc` refuses 0.
         self.migrations._record(0, tags=self._tags)
+        self.decisions = Counter(
+            "pdserve_pd_decisions_total",
+            "new requests by where they were prefilled: local (decode replica) or remote",
+            tag_keys=("app", "path"),
+        )
+
+    def count_decision(self, path: str) -> None:
+        """A new request's prefill: "local" (on its decode replica) or "remote"."""
+        self.decisions.inc(1, tags={**self._tags, "path": path})
 
     def count_migration(self) -> None:
         self.migrations.inc(1, tags=self._tags)

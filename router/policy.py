@@ -13,10 +13,11 @@ the fewest running sequences. When none fits, the result says whether waiting ca
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from engine.messages import GenerationRequest
 from router.prefix import BlockHash, PrefixLookup
 
 
@@ -143,3 +144,23 @@ def choose_decode_replica(
         key=lambda r: (-r.num_free_blocks, r.num_running_seqs, r.num_waiting_seqs, r.replica_id),
     )
     return DecodeChoice(best.replica_id, DecodeReason.MOST_FREE_BLOCKS)
+
+
+class LocalPrefill:
+    """Where a new request is prefilled: on a decode replica itself ("local", no KV transfer)
+    when its prompt is at most `max_tokens` tokens, else on the prefill pool ("remote"). Short
+    prompts cost less to compute than to hand over (Dynamo's conditional disaggregation and
+    llm-d's decider use such a threshold on uncached tokens). `on_decision(path)` counts each
+    choice. 0 turns local prefill off."""
+
+    def __init__(self, max_tokens: int, on_decision: Callable[[str], None] | None = None) -> None:
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self._on_decision = on_decision
+
+    def decide(self, request: GenerationRequest) -> bool:
+        local = request.num_prompt_tokens <= self.max_tokens
+        if self._on_decision is not None:
+            self._on_decision("local" if local else "remote")
+        return local

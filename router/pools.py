@@ -18,6 +18,7 @@ from router.lifecycle import (
     generate_colocated,
     generate_disaggregated,
 )
+from router.policy import LocalPrefill
 
 
 class RecentFailures:
@@ -142,15 +143,22 @@ class DisaggregatedEngines:
         release_is_idempotent: bool,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         on_move: Callable[[], None] | None = None,
+        local_prefill: LocalPrefill | None = None,
     ) -> None:
         self._moves = _Moves(on_move)
         self._prefill = PrefillPool(prefill_handle, self._moves.failures)
         self._decode = DecodePool(decode_handle, release_is_idempotent, self._moves.failures)
         self._max_migrations = max_migrations
+        self._local_prefill = local_prefill
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         return generate_disaggregated(
-            self._prefill, self._decode, request, self._max_migrations, self._moves.failed
+            self._prefill,
+            self._decode,
+            request,
+            self._max_migrations,
+            self._moves.failed,
+            self._local_prefill.decide if self._local_prefill else None,
         )
 
 

@@ -271,3 +271,24 @@ async def test_a_replica_failing_before_its_first_token_is_avoided_by_the_name_i
     assert tokens(await collect(stream)) == ids("World")
     assert decode.avoided == [frozenset(), frozenset({"decode-0"})]
     assert failures == [("decode-0", True)]
+
+
+async def test_a_short_prompt_the_router_keeps_local_is_prefilled_on_decode_alone() -> None:
+    from router.policy import LocalPrefill
+
+    decisions: list[str] = []
+    local = LocalPrefill(max_tokens=len(ids("hello")), on_decision=decisions.append)
+    prefill, decode = FakePrefill(), FakeDecode()
+    events = await collect(
+        generate_disaggregated(
+            prefill, decode, make_request(max_tokens=5), prefill_locally=local.decide
+        )
+    )
+    assert tokens(events) == ids("World") and events[0].is_first
+    assert prefill.requests == [] and decode.decoded == [] and len(decode.local) == 1
+    longer = make_request(max_tokens=5, prompt="hello there")
+    events = await collect(
+        generate_disaggregated(prefill, decode, longer, prefill_locally=local.decide)
+    )
+    assert tokens(events) == ids("World") and len(prefill.requests) == 1
+    assert decisions == ["local", "remote"]
