@@ -1,4 +1,5 @@
-"""A private redis-server for local mode: loopback, a random password, nothing written to disk.
+"""A private redis-server for local mode: loopback, a random password; with `persist`, an
+append-only file, so what operators set at run time (SLOs, pins, bounds) survives a restart.
 
 `pdserve up` starts it and exits; the server lives on in its own session, and `pdserve down`,
 another process, stops it by pid. So `RedisServer` is plain data any process can rebuild from
@@ -81,11 +82,16 @@ def start_redis_server(
     port: int = 0,
     binary: str | None = None,
     timeout_s: float = 10.0,
+    *,
+    persist: bool = False,
+    password: str | None = None,
 ) -> RedisServer:
     """Start a redis-server in its own session and return once it answers PING.
 
-    `port=0` picks a free port on `host`. Nothing is persisted (no RDB, no AOF); `data_dir`
-    holds the log only. Raises RuntimeError, with the log's tail, if it does not come up.
+    `port=0` picks a free port on `host`. Without `persist` nothing is written but the log;
+    with it, every write goes to an append-only file in `data_dir` (fsync'd each second), which
+    a server started again on the same `data_dir` loads (`restart_redis_server`). Raises
+    RuntimeError, with the log's tail, if it does not come up.
     """
     executable = resolve_redis_binary(binary)
     data_dir = Path(data_dir).resolve()
@@ -94,9 +100,9 @@ def start_redis_server(
         # Another process may take the port before redis binds it; redis then exits with
         # "Address already in use", reported below.
         port = _free_port(host)
-    password = secrets.token_urlsafe(32)
+    password = password or secrets.token_urlsafe(32)
     log_file = data_dir / LOG_NAME
-    config = _config_text(host, port, password, data_dir, log_file)
+    config = _config_text(host, port, password, data_dir, log_file, persist)
     pid, log_start = _spawn(executable, config, log_file)
     server = RedisServer(pid, host, port, password, data_dir)
     try:
@@ -105,6 +111,20 @@ def start_redis_server(
         server.stop(timeout_s=1.0)  # A half-started server must not outlive the error.
         raise
     return server
+
+
+def restart_redis_server(server: RedisServer, timeout_s: float = 10.0) -> RedisServer:
+    """A persisted server started again where it was (same address, password and data):
+    after a crash or a stop, the control plane comes back with what it held."""
+    server.stop()
+    return start_redis_server(
+        server.data_dir,
+        server.host,
+        server.port,
+        timeout_s=timeout_s,
+        persist=True,
+        password=server.password,
+    )
 
 
 def resolve_redis_binary(binary: str | None = None) -> str:
@@ -128,15 +148,19 @@ def resolve_redis_binary(binary: str | None = None) -> str:
     )
 
 
-def _config_text(host: str, port: int, password: str, data_dir: Path, log_file: Path) -> str:
+def _config_text(
+    host: str, port: int, password: str, data_dir: Path, log_file: Path, persist: bool
+) -> str:
     lines = [
         f"bind {_quote(host)}",
         f"port {port}",
         "protected-mode yes",
         f"requirepass {_quote(password)}",
-        # A control plane that every replica rewrites within seconds: nothing worth a disk.
         'save ""',
-        "appendonly no",
+        # Operators' settings (SLOs, pins, bounds) must outlive a restart; replicas rewrite the
+        # rest within seconds. An append-only file fsync'd each second: at most 1 s is lost.
+        f"appendonly {'yes' if persist else 'no'}",
+        "appendfsync everysec",
         "daemonize no",
         f"dir {_quote(str(data_dir))}",
         f"logfile {_quote(str(log_file))}",

@@ -78,7 +78,7 @@ def _cluster_env(config: AppConfig) -> dict[str, str]:
     return {GRPC_MESSAGE_LIMIT_ENV: str(config.router.max_body_bytes)}
 
 
-def _num_cpus(config: AppConfig) -> int:
+def ray_num_cpus(config: AppConfig) -> int:
     # Logical CPUs for Ray: enough for every pool at its max size, whatever the cores.
     pools = config.pools.values()
     return max(os.cpu_count() or 1, int(sum(p.num_cpus * p.max_replicas for p in pools)) + 1)
@@ -172,7 +172,7 @@ def up(
         )
     os.environ[RUN_MARKER] = run_id  # redis-server inherits it
     report("starting a private Redis on loopback")
-    redis = start_redis_server(base / "redis")
+    redis = start_redis_server(base / "redis", persist=True)
     # The Ray head (so the Serve controller and its autoscaling policies) and build_app read the
     # control plane's URL from here; it carries the password, so it stays out of configs and logs.
     os.environ[REDIS_URL_ENV] = redis.url
@@ -180,7 +180,7 @@ def up(
     try:
         report("starting Ray's head (token auth, dashboard on loopback)")
         ray_pid, address, dashboard_port = start_ray_head(
-            run_id, base, _num_cpus(config), token_path, extra_env=_cluster_env(config)
+            run_id, base, ray_num_cpus(config), token_path, extra_env=_cluster_env(config)
         )
         run = LocalRun(
             run_id=run_id,

@@ -394,3 +394,42 @@ async def test_routing_lookups_stay_fast_while_redis_is_silent_or_gone(tmp_path:
             os.kill(server.pid, signal.SIGCONT)
         server.stop()
         await store.close()
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_operator_settings_survive_a_restart_of_a_persisted_server(
+    tmp_path: Path, how: str
+) -> None:
+    """`pdserve up`'s Redis keeps an append-only file: SLOs, bounds and pins set at run time
+    come back after the server stops or is killed (SIGKILL 1.5 s after the last write: the
+    file is fsync'd each second)."""
+    import signal
+
+    from control.redis_server import restart_redis_server
+    from control.sync_store import SyncControlStore
+
+    server = start_redis_server(tmp_path, persist=True)
+    try:
+        with SyncControlStore.connect(server.url, "persisted") as store:
+            slo = store.set_slo(ttft_p95_s=1.5, tpot_p95_s=0.25)
+            bounds = store.set_bounds("decode", 2, 6)
+            store.pin("prefill", 3)
+        if how == "killed":
+            time.sleep(1.5)
+            os.kill(server.pid, signal.SIGKILL)
+        server = restart_redis_server(server)
+        with SyncControlStore.connect(server.url, "persisted") as store:
+            assert store.get_slo() == slo
+            assert store.get_bounds("decode") == bounds
+            assert store.pins()["prefill"] == 3
+    finally:
+        server.stop()
+    unpersisted = start_redis_server(tmp_path / "plain")
+    try:
+        with SyncControlStore.connect(unpersisted.url, "plain") as store:
+            store.set_slo(ttft_p95_s=1.5)
+        unpersisted = restart_redis_server(unpersisted)  # restarted persisted: nothing to load
+        with SyncControlStore.connect(unpersisted.url, "plain") as store:
+            assert store.get_slo() is None
+    finally:
+        unpersisted.stop()
