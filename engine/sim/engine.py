@@ -284,7 +284,7 @@ def start_sim_engine(
     if import_vllm:
         # The workers build vLLM's SamplingParams per request: vLLM's import (~9 s and ~0.5 GB
         # here, torch included) is paid at start, not in the first request's TTFT.
-        import vllm  # noqa: F401
+        import vllm.sampling_params  # noqa: F401
 
     profile = load_profile(spec.profile)
     link = load_link(spec.link or profile.default_link)

@@ -34,7 +34,14 @@ def _serve_config(raw: dict[str, Any]) -> AppConfig:
 
 
 def test_every_config_is_covered() -> None:
-    assert {p.name for p in SERVE_CONFIGS} == {"local.yaml", "gpu-cluster.yaml"}
+    assert {p.name for p in SERVE_CONFIGS} == {"local.yaml", "gpu-cluster.yaml", "sim-scale.yaml"}
+
+
+def test_sim_scale_config_is_16_sim_replicas_and_2_routers() -> None:
+    config = load_app_config(DEPLOY / "configs" / "sim-scale.yaml")
+    assert config.engine.sim is not None and config.kv_transfer.backend == "sim"
+    assert (config.prefill.num_replicas, config.decode.num_replicas) == (8, 8)
+    assert config.router.num_replicas == 2 and config.prefill.num_cpus == 0
 
 
 @pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
