@@ -54,7 +54,9 @@ class EngineConfig(_Strict):
     """How every vLLM engine of the app runs; both pools share it so their KV layouts match."""
 
     model: str = Field(
-        "default", description="built-in model name (default, tiny) or a local HF folder"
+        "default",
+        description="built-in model name (default, tiny), a local HF folder, or an HF repo id "
+        "(org/name[@revision]; from the HF cache, downloaded only if missing and not offline)",
     )
     served_name: str | None = Field(
         None, description="model id clients send; the folder name if unset"
@@ -78,6 +80,12 @@ class EngineConfig(_Strict):
     seed: int = Field(0, ge=0, description="engine seed")
     sim: SimConfig | None = Field(
         None, description="a simulated engine (no vLLM process); needs kv_transfer.backend: sim"
+    )
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="more of vLLM's EngineArgs for every engine (tensor_parallel_size, "
+        "quantization, max_num_batched_tokens, ...); checked against EngineArgs when the "
+        "config loads; a pool's own engine_kwargs add to or override these",
     )
 
     @model_validator(mode="after")
@@ -109,6 +117,10 @@ class PoolConfig(_Strict):
         "offer them (e.g. {node_type_gpu: 1})",
     )
     max_ongoing_requests: int = Field(256, ge=1, description="Serve's per-replica request cap")
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vLLM EngineArgs for this pool's engines only, over engine.engine_kwargs",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolConfig:
@@ -269,13 +281,66 @@ class AppConfig(_Strict):
             raise ValueError("engine.block_size must be >= 1")
         if (self.engine.sim is not None) != (self.kv_transfer.backend == "sim"):
             raise ValueError("engine.sim and kv_transfer.backend: sim go together")
+        check_engine_kwargs(self.engine.engine_kwargs, "engine.engine_kwargs")
+        for pool, config in self.pools.items():
+            section = "colocated" if pool == "engine" else pool
+            check_engine_kwargs(config.engine_kwargs, f"{section}.engine_kwargs")
+            tp = self.engine_kwargs(pool).get("tensor_parallel_size", 1)
+            if config.num_gpus > 0 and tp != config.num_gpus:
+                raise ValueError(
+                    f"{section}.num_gpus: {config.num_gpus:g}, but its engines run "
+                    f"tensor_parallel_size {tp}: a replica holds one GPU per tensor-parallel rank"
+                )
+            if self.kv_transfer.backend == "ray" and tp != 1:
+                raise ValueError(
+                    f"engine_kwargs.tensor_parallel_size: {tp} with kv_transfer.backend ray; "
+                    "the ray backend moves one worker's KV (tensor_parallel_size 1): use nixl"
+                )
         return self
+
+    def engine_kwargs(self, pool: PoolName) -> dict[str, Any]:
+        """vLLM EngineArgs for `pool`'s engines: the app's, then the pool's own over them."""
+        return {**self.engine.engine_kwargs, **self.pools[pool].engine_kwargs}
 
     @property
     def pools(self) -> dict[PoolName, PoolConfig]:
         if self.topology == "colocated":
             return {"engine": self.colocated}
         return {"prefill": self.prefill, "decode": self.decode}
+
+
+# EngineArgs pdserve sets from its own fields (the KV layout both pools must share, the model,
+# the cache size): the field to set instead.
+MANAGED_ENGINE_ARGS = {
+    "model": "engine.model",
+    "tokenizer": "engine.model",
+    "served_model_name": "engine.served_name",
+    "dtype": "engine.dtype",
+    "max_model_len": "engine.max_model_len",
+    "block_size": "engine.block_size",
+    "max_num_seqs": "engine.max_num_seqs",
+    "seed": "engine.seed",
+    "kv_cache_memory_bytes": "engine.kv_cache_memory_bytes",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "kv_transfer_config": "kv_transfer",
+}
+
+
+def check_engine_kwargs(kwargs: dict[str, Any], where: str) -> None:
+    """Each name must be one of vLLM's EngineArgs and not one pdserve sets itself; raises
+    ValueError naming the first that is not (vLLM is imported only when there are any)."""
+    if not kwargs:
+        return
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    for name in kwargs:
+        if name in MANAGED_ENGINE_ARGS:
+            raise ValueError(f"{where}.{name}: set {MANAGED_ENGINE_ARGS[name]} instead")
+        if name not in known:
+            raise ValueError(f"{where}.{name}: not an argument of vLLM's EngineArgs")
 
 
 def with_sim_engine(

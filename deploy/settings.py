@@ -30,6 +30,7 @@ def engine_spec(config: AppConfig, pool: PoolName) -> EngineSpec:
         gpu_memory_utilization=engine.gpu_memory_utilization,
         served_model_name=engine.served_name,
         sim=engine.sim.spec() if engine.sim else None,
+        engine_kwargs=config.engine_kwargs(pool),
     )
 
 

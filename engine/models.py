@@ -1,4 +1,9 @@
-"""Model resolution: built-in names (`default`, `tiny`) or any local Hugging Face folder.
+"""Model resolution: built-in names (`default`, `tiny`), any local Hugging Face folder, or a
+Hugging Face repo id (`org/name`, optionally `org/name@revision`).
+
+A repo id is looked up in the Hugging Face cache first (HF_HUB_CACHE, as `huggingface-cli
+download` fills it); only when it is not there, and HF_HUB_OFFLINE is not set, is it
+downloaded, into that cache.
 
 Built-in models are prepared once into the cache (PDSERVE_CACHE_DIR, default ~/.cache/pdserve)
 and reused; preparation is atomic and locked, so concurrent processes never see half a folder.
@@ -8,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -50,10 +56,39 @@ def resolve_model(name: str) -> Path:
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path.resolve()
+    if _REPO_ID.fullmatch(name) and not path.exists():
+        return _from_hub(name)
     raise ValueError(
-        f"unknown model {name!r}: give a built-in name ({', '.join(builtin_names())}) "
-        "or a local Hugging Face folder that holds a config.json"
+        f"unknown model {name!r}: give a built-in name ({', '.join(builtin_names())}), "
+        "a local Hugging Face folder that holds a config.json, or a Hugging Face repo id"
     )
+
+
+# org/name[@revision], as the Hub names repositories.
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
+
+
+def _from_hub(name: str) -> Path:
+    """The snapshot folder of a Hugging Face repo id: from the cache, else downloaded."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo_id, _, revision = name.partition("@")
+    cache_dir = os.environ.get("HF_HUB_CACHE") or None
+    try:
+        found = snapshot_download(
+            repo_id, revision=revision or None, cache_dir=cache_dir, local_files_only=True
+        )
+    except LocalEntryNotFoundError:
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+            raise ValueError(
+                f"model {name!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set"
+            ) from None
+        found = snapshot_download(repo_id, revision=revision or None, cache_dir=cache_dir)
+    folder = Path(found)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model {name!r}: its snapshot {folder} holds no config.json")
+    return folder
 
 
 def prepare_builtin(name: str) -> Path:

@@ -11,7 +11,8 @@ defaults stand.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -64,6 +65,8 @@ class EngineSettings:
     served_model_name: str | None = None
     # Set: a simulated engine (engine/sim/) instead of vLLM.
     sim: SimSpec | None = None
+    # More of vLLM's EngineArgs (checked when the app config loads), over what is set above.
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.device == "cpu":
@@ -121,6 +124,7 @@ class EngineSettings:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         else:
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        kwargs.update(self.engine_kwargs)
         if kv_transfer is not None:
             kwargs["kv_transfer_config"] = kv_transfer
         return kwargs
@@ -151,6 +155,7 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.9
     served_model_name: str | None = None
     sim: SimSpec | None = None
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def resolve(self) -> EngineSettings:
         device = detect_device() if self.device == "auto" else self.device
@@ -167,4 +172,5 @@ class EngineSpec:
             gpu_memory_utilization=self.gpu_memory_utilization,
             served_model_name=self.served_model_name,
             sim=self.sim,
+            engine_kwargs=dict(self.engine_kwargs),
         )

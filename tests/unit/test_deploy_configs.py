@@ -123,6 +123,25 @@ def test_colocated_builds_one_engine_pool() -> None:
         ({"engine": {"device": "cpu", "block_size": 16}}, "block_size"),
         ({"name": "bad name!"}, "name"),
         ({"unknown_section": {}}, "unknown_section"),
+        (
+            {"decode": {"engine_kwargs": {"max_num_batched_token": 512}}},
+            "decode.engine_kwargs.max_num_batched_token: not an argument of vLLM's EngineArgs",
+        ),
+        (
+            {"engine": {"engine_kwargs": {"block_size": 64}}},
+            "engine.engine_kwargs.block_size: set engine.block_size instead",
+        ),
+        (
+            {
+                "kv_transfer": {"backend": "ray"},
+                "engine": {"engine_kwargs": {"tensor_parallel_size": 2}},
+            },
+            "the ray backend moves one worker's KV",
+        ),
+        (
+            {"prefill": {"num_gpus": 1}, "engine": {"engine_kwargs": {"tensor_parallel_size": 4}}},
+            "prefill.num_gpus: 1, but its engines run tensor_parallel_size 4",
+        ),
     ],
 )
 def test_bad_configs_are_refused_with_the_field(patch: dict[str, Any], message: str) -> None:
@@ -164,3 +183,23 @@ def test_a_redis_url_from_the_environment_is_no_request_router_kwarg(
     monkeypatch.delenv(REDIS_URL_ENV)
     prefill = deployment_options(config, "prefill")["request_router_config"]
     assert prefill.request_router_kwargs["redis_url"] == url
+
+
+def test_engine_kwargs_reach_each_pools_engine_args() -> None:
+    """The app's engine_kwargs, a pool's own over them, end in the EngineArgs vLLM is given."""
+    from deploy.settings import engine_spec
+
+    config = AppConfig.model_validate(
+        {
+            "engine": {"device": "cpu", "engine_kwargs": {"max_num_batched_tokens": 512}},
+            "decode": {
+                "engine_kwargs": {"max_num_batched_tokens": 1024, "enable_prefix_caching": False}
+            },
+        }
+    )
+    prefill = engine_spec(config, "prefill").resolve().vllm_kwargs()
+    decode = engine_spec(config, "decode").resolve().vllm_kwargs()
+    assert prefill["max_num_batched_tokens"] == 512 and "enable_prefix_caching" not in prefill
+    assert (decode["max_num_batched_tokens"], decode["enable_prefix_caching"]) == (1024, False)
+    args = engine_spec(config, "decode").resolve().async_engine_args()
+    assert (args.max_num_batched_tokens, args.enable_prefix_caching) == (1024, False)

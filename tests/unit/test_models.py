@@ -39,3 +39,33 @@ def test_prompt_encoding(tiny_model: Path) -> None:
     assert tokenizer.decode(ids) == "hello world"
     chat = encode_prompt(tokenizer, "hello world", chat=True)
     assert chat[0] == tokenizer.bos_token_id
+
+
+def _hub_cache(root: Path, repo_id: str, source: Path, revision: str = "main") -> Path:
+    """`source`'s files laid out as the Hugging Face cache holds a downloaded repo:
+    models--org--name/{refs/<revision>, snapshots/<commit>/...}."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / revision).write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(source, snapshot)
+    return snapshot
+
+
+def test_a_repo_id_is_served_from_the_hugging_face_cache_offline(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    snapshot = _hub_cache(tmp_path / "hub", "acme/tiny-chat", tiny_model)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model("acme/tiny-chat") == snapshot
+    assert resolve_model("acme/tiny-chat@main") == snapshot
+    tokenizer = load_tokenizer(str(resolve_model("acme/tiny-chat")))
+    assert encode_prompt(tokenizer, "hello") == encode_prompt(
+        load_tokenizer(str(tiny_model)), "hello"
+    )
+    with pytest.raises(ValueError, match="not in the Hugging Face cache and HF_HUB_OFFLINE"):
+        resolve_model("acme/not-downloaded")
