@@ -70,7 +70,10 @@ def _pdserve(system: SystemName, config: AppConfig, timeout_s: float) -> Iterato
         try:
             run = up(config, http_port=free_port(), grpc_port=free_port(), timeout_s=timeout_s)
             try:
-                yield GrpcTarget(system, run.grpc_target, application=config.name)
+                # `up` makes the run an API key (auth is on by default): the client sends it.
+                yield GrpcTarget(
+                    system, run.grpc_target, application=config.name, api_key=run.api_key or None
+                )
             finally:
                 report = down()
                 if report is not None and report.leftovers:
