@@ -12,14 +12,17 @@ Ray exports `vllm:x` as `ray_vllm_x` (':' becomes '_', then Ray's `ray_` prefix;
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
-def ray_stat_logger(labels: Mapping[str, str]) -> type[Any]:
+def ray_stat_logger(
+    labels: Mapping[str, str], on_created: Callable[[Any], None] = lambda logger: None
+) -> type[Any]:
     """A vLLM aggregate stat logger class (`AsyncLLM(stat_loggers=[...])`) exporting vLLM's
-    metrics through Ray with `labels` on every series. Given it, vLLM starts no
-    prometheus_client logger of its own (nothing would export that one here)."""
+    metrics through Ray with `labels` on every series; `on_created` receives the instance vLLM
+    builds (to call its `refresh_gauges`). Given it, vLLM starts no prometheus_client logger
+    of its own (nothing would export that one here)."""
     from vllm.v1.metrics import ray_wrappers as vllm_ray
 
     fixed = {str(k): str(v) for k, v in labels.items()}
@@ -45,6 +48,32 @@ def ray_stat_logger(labels: Mapping[str, str]) -> type[Any]:
         _spec_decoding_cls = SpecDecodingProm
         _kv_connector_cls = KVConnectorProm
         _perf_metrics_cls = PerfMetricsProm
+
+        def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+            super().__init__(vllm_config, engine_indexes)
+            self._last_scheduler_stats: dict[int, Any] = {}
+            on_created(self)
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            super().record(scheduler_stats, iteration_stats, mm_cache_stats, engine_idx)
+            if scheduler_stats is not None:
+                self._last_scheduler_stats[engine_idx] = scheduler_stats
+
+        def refresh_gauges(self) -> None:
+            """Set the queue and KV-usage gauges again from each engine's last step. Ray's
+            agent drops a gauge nobody set for two report intervals, and vLLM sets these only
+            when its engine steps: an idle engine's would vanish from the scrape."""
+            for idx, stats in list(self._last_scheduler_stats.items()):
+                self.gauge_scheduler_running[idx].set(stats.num_running_reqs)
+                waiting = stats.num_waiting_reqs + stats.num_skipped_waiting_reqs
+                self.gauge_scheduler_waiting[idx].set(waiting)
+                self.gauge_kv_cache_usage[idx].set(stats.kv_cache_usage)
 
     return LabelledRayStatLogger
 

@@ -62,6 +62,8 @@ class EngineStatsRecorder:
         # The labels of vLLM's own metrics exported through Ray (app, pool); None: the engine
         # exports none (outside a Serve replica). Set before the engine starts.
         self.export_labels: Mapping[str, str] | None = None
+        # vLLM's Ray stat loggers the engine built (engine/ray_metrics.py).
+        self.exporters: list[Any] = []
         self.latest = SchedulerSnapshot()
         self.transfers: deque[TransferSample] = deque(maxlen=MAX_TRANSFERS_KEPT)
         self.num_failed_transfers = 0
@@ -93,6 +95,12 @@ class EngineStatsRecorder:
                 self.kv_loads.num_failures + int(failed or recomputed > 0),
                 self.kv_loads.num_recomputed_tokens + recomputed,
             )
+
+    def refresh_exported_gauges(self) -> None:
+        """Periodically (the replica's stats tick): keep an idle engine's exported queue and
+        KV-usage gauges alive (engine/ray_metrics.py, `refresh_gauges`)."""
+        for exporter in self.exporters:
+            exporter.refresh_gauges()
 
     def take_transfers(self) -> list[TransferSample]:
         with self._lock:
@@ -132,5 +140,5 @@ def engine_stat_loggers(recorder: EngineStatsRecorder | None) -> list[Any] | Non
     if recorder.export_labels is not None:
         from engine.ray_metrics import ray_stat_logger
 
-        loggers.append(ray_stat_logger(recorder.export_labels))
+        loggers.append(ray_stat_logger(recorder.export_labels, recorder.exporters.append))
     return loggers

@@ -121,6 +121,7 @@ class ReplicaShell:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Called by Serve every `request_routing_stats_period_s`; read by the request router."""
         self.on_stats_tick()
+        self._engine_owner.stats.refresh_exported_gauges()
         load = self._engine_owner.load(self.pool, self.num_pending_prefill_tokens)
         if self._status is not None:
             try:

@@ -70,6 +70,15 @@ def test_every_vllm_metric_carries_app_and_pool(
         "ReplicaId": "",  # not in a Serve replica here
     }
 
+    # The replica's stats tick sets the gauges again from the last step (an idle engine's
+    # gauges would otherwise age out of Ray's agent).
+    assert recorder.exporters == [logger]
+    recorded.clear()
+    recorder.refresh_exported_gauges()
+    refreshed = {name for name, _ in recorded}
+    assert {"vllm_num_requests_running", "vllm_num_requests_waiting"} <= refreshed
+    assert "vllm_kv_cache_usage_perc" in refreshed
+
 
 def test_no_export_labels_no_ray_logger() -> None:
     assert engine_stat_loggers(None) is None
