@@ -30,6 +30,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 RUN_MARKER = "PDSERVE_RUN_ID"
 LOOPBACK = "127.0.0.1"
@@ -191,9 +192,29 @@ def port_is_free(port: int, host: str = LOOPBACK) -> bool:
         return True
 
 
-def ray_head_command(
-    gcs_port: int, dashboard_port: int, num_cpus: int, temp_dir: Path
-) -> list[str]:
+class HeadPorts(NamedTuple):
+    """The Ray head's ports that Ray fixes by default (GCS 6379, dashboard 8265, its metrics
+    44227, the autoscaler's metrics 44217, client server 10001, agent 52365), each picked free:
+    another Ray on the machine holding a default, or taking one after `down`, never meets this
+    run."""
+
+    gcs: int
+    dashboard: int
+    dashboard_metrics: int
+    autoscaler_metrics: int
+    client_server: int
+    agent: int
+
+    @classmethod
+    def pick(cls) -> HeadPorts:
+        with contextlib.ExitStack() as held:  # all bound at once: all different
+            socks = [held.enter_context(socket.socket()) for _ in cls._fields]
+            for sock in socks:
+                sock.bind((LOOPBACK, 0))
+            return cls(*(int(sock.getsockname()[1]) for sock in socks))
+
+
+def ray_head_command(ports: HeadPorts, num_cpus: int, temp_dir: Path) -> list[str]:
     """`ray start` for the run's head. The dashboard serves Serve's REST API (`serve status`,
     `serve deploy`) and Ray's state API on loopback only; the token guards it there too."""
     return [
@@ -201,11 +222,13 @@ def ray_head_command(
         "start",
         "--head",
         "--block",
-        f"--port={gcs_port}",
+        f"--port={ports.gcs}",
         f"--num-cpus={num_cpus}",
         "--include-dashboard=true",
         f"--dashboard-host={LOOPBACK}",
-        f"--dashboard-port={dashboard_port}",
+        f"--dashboard-port={ports.dashboard}",
+        f"--ray-client-server-port={ports.client_server}",
+        f"--dashboard-agent-listen-port={ports.agent}",
         "--disable-usage-stats",
         f"--temp-dir={temp_dir}",
     ]
@@ -224,13 +247,13 @@ def start_ray_head(
     cluster. The timeout is generous: on two busy cores the head took over a minute.
     `extra_env` reaches every process of the cluster (Serve's proxy and controller read their
     settings there)."""
-    port, dashboard_port = free_port(), free_port()
+    ports = HeadPorts.pick()
     inherited = {k: v for k, v in os.environ.items() if k not in RAY_CLI_ADDRESS_VARS}
     env = {
         **inherited,
-        # The dashboard's own Prometheus port is fixed (44227) unless set: a second run on the
-        # machine would lose its dashboard metrics.
-        "DASHBOARD_METRIC_PORT": str(free_port()),
+        # No flags for these two.
+        "DASHBOARD_METRIC_PORT": str(ports.dashboard_metrics),
+        "AUTOSCALER_METRIC_PORT": str(ports.autoscaler_metrics),
         **(extra_env or {}),
         **ray_auth_env(token_path),
         RUN_MARKER: run_id,
@@ -238,21 +261,21 @@ def start_ray_head(
     }
     log = (log_dir / "ray-start.log").open("ab")
     proc = subprocess.Popen(
-        ray_head_command(port, dashboard_port, num_cpus, ray_temp_dir(run_id)),
+        ray_head_command(ports, num_cpus, ray_temp_dir(run_id)),
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
-    address = f"{LOOPBACK}:{port}"
+    address = f"{LOOPBACK}:{ports.gcs}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"ray start exited with {proc.returncode}; see {log.name}")
         # Printed once the GCS, raylet and object store are all up (not just the GCS port).
         if b"Ray runtime started" in Path(log.name).read_bytes():
-            return proc.pid, address, dashboard_port
+            return proc.pid, address, ports.dashboard
         time.sleep(0.5)
     stop_pid(proc.pid)
     raise RuntimeError(f"Ray head did not come up within {timeout_s:.0f} s; see {log.name}")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from control.records import DecisionRecord, PoolSLO
-from deploy.local import LocalRun, ray_head_command
+from deploy.local import HeadPorts, LocalRun, ray_head_command
 from deploy.status import DeploymentState, StatusReport, format_status, status_json
 from deploy.up import PhaseClock, replica_summary
 from engine.messages import ReplicaLoad
@@ -71,10 +71,17 @@ def test_replica_summary_names_each_deployment_and_its_states() -> None:
 
 
 def test_the_ray_head_keeps_its_dashboard_on_loopback(tmp_path: Path) -> None:
-    argv = ray_head_command(6390, 8266, 4, tmp_path)
+    argv = ray_head_command(HeadPorts(6390, 8266, 44228, 44218, 10002, 52366), 4, tmp_path)
     assert "--include-dashboard=true" in argv
     assert "--dashboard-host=127.0.0.1" in argv and "--dashboard-port=8266" in argv
     assert not any("0.0.0.0" in arg or "include-dashboard=false" in arg for arg in argv)
+    # Ray's fixed defaults are never used: another Ray on the machine may hold them.
+    assert {
+        "--port=6390", "--ray-client-server-port=10002", "--dashboard-agent-listen-port=52366"
+    } <= set(argv)  # fmt: skip
+    ports = HeadPorts.pick()
+    assert len(set(ports)) == len(ports)
+    assert not {6379, 8265, 44227, 44217, 10001, 52365} & set(ports)
 
 
 def test_ray_cli_env_points_rays_tools_at_the_run(tmp_path: Path) -> None:
