@@ -109,6 +109,13 @@ class SimScheduler:
                 f"prompt has {len(request.prompt_token_ids)} tokens; "
                 f"the model's context is {self.max_model_len}"
             )
+        most = min(len(request.prompt_token_ids) + request.max_tokens, self.max_model_len)
+        if self.blocks.blocks_for(most) > self.blocks.num_blocks:
+            # Alone in the engine it could never hold its blocks: refused, not left to wait.
+            raise ValueError(
+                f"a request of up to {most} tokens needs more KV than this engine has "
+                f"({self.blocks.num_blocks * self.blocks.block_size} tokens)"
+            )
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> SimRequest | None:

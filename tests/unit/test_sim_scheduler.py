@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.sim.blocks import BlockPool
 from engine.sim.scheduler import SimRequest, SimScheduler
 from engine.sim.tokens import TokenSource
@@ -126,3 +128,11 @@ def test_abort_frees_the_request_blocks() -> None:
     assert scheduler.blocks.num_used_blocks > 0
     assert scheduler.abort("a") is not None and scheduler.abort("a") is None
     assert scheduler.blocks.num_used_blocks == 0 and scheduler.num_unfinished == 0
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused_not_left_waiting() -> None:
+    scheduler = make_scheduler(num_blocks=4)  # 16 tokens
+    with pytest.raises(ValueError, match="more KV than this engine has"):
+        scheduler.add(make_request("a", 10, max_tokens=10))
+    scheduler.add(make_request("b", 10, max_tokens=6))
+    assert scheduler.num_unfinished == 1
