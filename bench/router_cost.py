@@ -21,7 +21,7 @@ from engine.messages import GenerationRequest, TokenEvent
 from engine.models import resolve_model
 from engine.prompts import load_tokenizer
 from router.admission import AdmissionLimits
-from router.openai_api import Reply, sse_events
+from router.openai_api import Reply, merged, sse_events
 from router.service import RouterService
 from router.validation import RequestLimits
 
@@ -54,7 +54,8 @@ async def cpu_per_token_us(service: RouterService, num_tokens: int) -> float:
     chunks = service.stream(prepared)
     first = await anext(chunks)
     num_bytes = 0
-    async for event in sse_events(Reply(prepared, "cmpl-bench-1", 0), first, chunks):
+    reply = Reply([prepared], "cmpl-bench-1", 0)
+    async for event in sse_events(reply, [first], merged([chunks])):
         num_bytes += len(event)
     assert num_bytes > 0
     return (time.process_time() - started) / num_tokens * 1e6

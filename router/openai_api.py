@@ -275,13 +275,13 @@ async def merged(
     try:
         num_open = len(streams)
         while num_open:
-            index, chunk, error = await queue.get()
+            index, item, error = await queue.get()
             if error is not None:
                 raise error
-            if chunk is None:
+            if item is None:
                 num_open -= 1
                 continue
-            yield index, chunk
+            yield index, item
     finally:
         for task in tasks:
             task.cancel()
