@@ -1,6 +1,7 @@
 """The README's main job, as a new user runs it: `pdserve up` on the embedded default (a local Ray,
 a private Redis, the default model on CPU, one prefill and one decode replica), a request through
-it over gRPC, `pdserve status`, and `pdserve down` leaving no process and no listener of ours.
+it over gRPC, `pdserve status`, Ray's own CLIs against the run (`serve status`, `ray status`),
+and `pdserve down` leaving no process and no listener of ours.
 
 It runs first (tests/conftest.py orders it), under a fresh HOME with no ~/.ray and no Ray
 variables: nothing an earlier run left on this machine can stand in for a missing step. Only the
@@ -11,15 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
+from deploy.cli import LOCAL_CONFIG
+from deploy.config import load_app_config
 from deploy.local import free_port, marked_pids, pid_is_alive, ray_temp_dir
+from deploy.up import ray_num_cpus
 from tests.procs import descendants, listening_ports, listening_sockets
 from tests.readme.cli import fresh_env, pdserve
 
@@ -47,6 +54,15 @@ def local_run(
         # Secure by default: one key, printed once, kept in the (0600) run state.
         printed = [line for line in up.stdout.splitlines() if line.startswith("API key: ")]
         assert printed == [f"API key: {state['api_key']}"], up.stdout
+        # Each phase as it begins, with the seconds since `up` began, in order; the replicas'
+        # states while the engines start.
+        phases = re.findall(r"^\[ *(\d+\.\d) s\] (.*)$", up.stdout, re.MULTILINE)
+        said = [text for _, text in phases]
+        assert any(t.startswith("starting Ray's head") for t in said), up.stdout
+        assert any(t.startswith("app ") and "Prefill STARTING" in t for t in said), up.stdout
+        assert said[-1].startswith("app RUNNING: "), up.stdout
+        elapsed = [float(at) for at, _ in phases]
+        assert elapsed == sorted(elapsed) and elapsed[-1] > 10, phases
         yield env, state
     finally:
         pdserve(env, "down", timeout=180)
@@ -61,6 +77,12 @@ def test_generate_over_grpc_answers(local_run: tuple[dict[str, str], dict[str, o
     streamed = pdserve(env, "generate", "--stream", "--chat", QUESTION)
     assert streamed.returncode == 0, streamed.stderr[-2000:]
     assert streamed.stdout.strip() == ANSWER
+    as_json = pdserve(env, "generate", "--json", "--chat", QUESTION)
+    assert as_json.returncode == 0, as_json.stderr[-2000:]
+    answer = json.loads(as_json.stdout)
+    assert answer["text"] == ANSWER and answer["finish_reason"] == "stop"
+    assert len(answer["token_ids"]) == answer["usage"]["completion_tokens"] > 0
+    assert answer["timings"]["ttft_s"] > 0
 
 
 def test_the_run_keeps_its_own_ray_token(
@@ -85,14 +107,24 @@ def test_bad_input_is_reported(local_run: tuple[dict[str, str], dict[str, object
 def test_status_shows_pools_and_latencies(
     local_run: tuple[dict[str, str], dict[str, object]],
 ) -> None:
-    env, _ = local_run
+    env, state = local_run
     status = pdserve(env, "status")
     assert status.returncode == 0, status.stderr[-2000:]
     for pool in ("Prefill", "Decode", "Router"):
         line = next(line for line in status.stdout.splitlines() if line.strip().startswith(pool))
         assert "RUNNING: 1" in line
     ttft = next(line for line in status.stdout.splitlines() if line.strip().startswith("ttft"))
-    assert int(ttft.split()[1]) == 2  # the two generate requests above, nothing else
+    assert int(ttft.split()[1]) == 3  # the three generate requests above, nothing else
+    assert f"dashboard http://127.0.0.1:{state['dashboard_port']}" in status.stdout
+    as_json = pdserve(env, "status", "--json")
+    assert as_json.returncode == 0, as_json.stderr[-2000:]
+    report = json.loads(as_json.stdout)
+    assert report["status"] == "RUNNING"
+    for pool in ("Prefill", "Decode", "Router"):
+        assert report["deployments"][pool]["replica_states"] == {"RUNNING": 1}, report
+    assert report["latencies"]["ttft"]["n"] == 3
+    assert 0 < report["latencies"]["ttft"]["p50_s"] <= report["latencies"]["ttft"]["p99_s"]
+    assert report["endpoints"]["grpc"] == f"127.0.0.1:{state['grpc_port']}"
 
 
 def test_calls_without_the_runs_key_are_refused(
@@ -185,6 +217,132 @@ def test_a_grpc_message_past_the_body_limit_is_refused_by_the_proxy(
         assert len(done.token_ids) == 2  # still serving
 
 
+def test_rays_own_clis_reach_the_run(
+    local_run: tuple[dict[str, str], dict[str, object]],
+) -> None:
+    """`eval "$(pdserve env)"` points Ray's CLIs at the run: `serve status` (Serve's REST API
+    on the dashboard, the request `serve deploy` also makes) shows the app and each of its
+    deployments RUNNING, `ray status` (the GCS) counts the CPUs its replicas hold, and `ray list
+    actors` (the dashboard's state API) names their replicas. Without the run's token the
+    dashboard refuses."""
+    import yaml
+
+    env, state = local_run
+    ray_env = {**env, **_exports(env)}
+    assert ray_env["RAY_DASHBOARD_ADDRESS"] == f"http://127.0.0.1:{state['dashboard_port']}"
+    assert ray_env["RAY_ADDRESS"] == state["ray_address"]
+    assert ray_env["RAY_AUTH_TOKEN_PATH"] == state["ray_token_path"]
+    bin_dir = Path(sys.executable).parent
+
+    def ray_cli(*argv: str, cli_env: dict[str, str] = ray_env) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(bin_dir / argv[0]), *argv[1:]],
+            env=cli_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    serve = ray_cli("serve", "status")
+    assert serve.returncode == 0, serve.stderr[-3000:]
+    app = yaml.safe_load(serve.stdout)["applications"][state["app"]]
+    assert app["status"] == "RUNNING", serve.stdout
+    for name in ("Router", "Prefill", "Decode"):
+        assert app["deployments"][name]["replica_states"] == {"RUNNING": 1}, serve.stdout
+
+    ray = ray_cli("ray", "status")
+    assert ray.returncode == 0, ray.stderr[-3000:]
+    assert "Active:" in ray.stdout and "(no failures)" in ray.stdout, ray.stdout
+    used = re.search(r"^ *([\d.]+)/([\d.]+) CPU", ray.stdout, re.MULTILINE)
+    assert used is not None, ray.stdout
+    config = load_app_config(LOCAL_CONFIG)  # what `up` ran: its pools' CPUs are in use
+    in_use = sum(pool.num_cpus * pool.num_replicas for pool in config.pools.values())
+    assert (float(used.group(1)), float(used.group(2))) == (in_use, ray_num_cpus(config)), (
+        ray.stdout
+    )
+
+    actors = ray_cli("ray", "list", "actors", "--filter", "state=ALIVE", "--limit", "1000")
+    assert actors.returncode == 0, actors.stderr[-3000:]
+    for name in ("Router", "Prefill", "Decode"):
+        assert f"ServeReplica:{state['app']}:{name}" in actors.stdout, actors.stdout
+
+    no_token = {k: v for k, v in ray_env.items() if not k.startswith("RAY_AUTH_")}
+    refused = ray_cli("serve", "status", cli_env=no_token)
+    assert refused.returncode != 0 and "Authentication" in refused.stderr, refused.stderr[-2000:]
+
+
+# An app that Ray itself ships (its Serve test helpers): one replica that answers its own PID.
+_PID_APP = """
+http_options: {{host: 127.0.0.1, port: {http_port}}}
+applications:
+  - name: pid
+    route_prefix: /pid
+    import_path: ray.serve._private.test_utils:get_pid_entrypoint
+    deployments: [{{name: GetPID, ray_actor_options: {{num_cpus: 0}}}}]
+"""
+
+
+def test_serve_deploy_adds_an_app_beside_pdserves(
+    local_run: tuple[dict[str, str], dict[str, object]], tmp_path: Path
+) -> None:
+    """`serve deploy` (Serve's REST API on the run's dashboard) deploys a config's app into the
+    run, on the run's HTTP proxy, and an empty config removes it again: Serve leaves the app
+    `up` deployed through its Python API alone."""
+    import urllib.request
+
+    import yaml
+
+    env, state = local_run
+    ray_env = {**env, **_exports(env)}
+    serve_bin = str(Path(sys.executable).with_name("serve"))
+
+    def serve(*argv: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [serve_bin, *argv], env=ray_env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    def apps() -> dict[str, dict[str, object]]:
+        return dict(yaml.safe_load(serve("status").stdout)["applications"])
+
+    config = tmp_path / "pid.yaml"
+    config.write_text(_PID_APP.format(http_port=state["http_port"]))
+    serve("deploy", str(config))
+    for _ in range(120):
+        if apps().get("pid", {}).get("status") == "RUNNING":
+            break
+        time.sleep(1)
+    assert apps()["pid"]["status"] == "RUNNING", apps()
+    with urllib.request.urlopen(f"http://127.0.0.1:{state['http_port']}/pid", timeout=60) as got:
+        replica_pid = int(got.read())
+    assert replica_pid in marked_pids(str(state["run_id"]))  # a process of this run
+    assert apps()[str(state["app"])]["status"] == "RUNNING"
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(f"http_options: {{host: 127.0.0.1, port: {state['http_port']}}}\n"
+                     "applications: []\n")  # fmt: skip
+    serve("deploy", str(empty))
+    for _ in range(60):
+        if "pid" not in apps():
+            break
+        time.sleep(1)
+    assert set(apps()) == {state["app"]}
+    assert apps()[str(state["app"])]["status"] == "RUNNING"
+
+
+def _exports(env: dict[str, str]) -> dict[str, str]:
+    """The variables `pdserve env` exports, as a shell that evaluated them would hold them."""
+    exports = pdserve(env, "env")
+    assert exports.returncode == 0, exports.stderr[-2000:]
+    found = {}
+    for line in exports.stdout.splitlines():
+        name, value = line.removeprefix("export ").split("=", 1)
+        found[name] = shlex.split(value)[0]
+    return found
+
+
 # Processes of the run that are pdserve's own (not Ray's or Serve's): they listen on loopback only.
 _OWN_PROCESSES = (b"/usr/bin/redis-server", b"redis-server", b"VLLM::")
 
@@ -200,8 +358,9 @@ def _is_loopback(address: str) -> bool:
 def test_pdserves_own_listeners_are_on_loopback(
     local_run: tuple[dict[str, str], dict[str, object]],
 ) -> None:
-    """Redis, the engines (NIXL's side channel, vLLM's own sockets) and Serve's HTTP proxy bind
-    loopback. What binds every interface is Ray's (GCS, raylet, agents, Serve's controller and
+    """Redis, the engines (NIXL's side channel, vLLM's own sockets), Serve's HTTP proxy and
+    Ray's dashboard (Serve's REST API, `serve deploy`) bind loopback. What binds every
+    interface is Ray's (GCS, raylet, agents, the dashboard's own metrics, Serve's controller and
     replicas: Ray 2.60 takes no bind address; the run's Ray token guards them) and Serve's gRPC
     proxy (it takes no host; the run's API key guards it): listed here, so a new one fails."""
     _, state = local_run
@@ -216,11 +375,14 @@ def test_pdserves_own_listeners_are_on_loopback(
                 for mark in (b"/site-packages/ray/", b"\0ray.")  # -m ray.util...
             )
             for address, port in listening_sockets([pid]):
-                if argv.startswith(_OWN_PROCESSES) or port == state["http_port"]:
+                if argv.startswith(_OWN_PROCESSES) or port in (
+                    state["http_port"],
+                    state["dashboard_port"],
+                ):
                     own.append((name, address, port))
                 elif not _is_loopback(address):
                     exposed.append((name, address, port, is_ray))
-    assert {p for _, _, p in own} >= {int(state["http_port"])}  # type: ignore[call-overload]
+    assert {p for _, _, p in own} >= {int(state["http_port"]), int(state["dashboard_port"])}  # type: ignore[call-overload]
     assert sum(1 for name, _, _ in own if name.startswith("VLLM::")) >= 4, own  # side channels
     assert [e for e in own if not _is_loopback(e[1])] == [], own
     assert [e for e in exposed if not e[3]] == [], exposed
