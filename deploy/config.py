@@ -281,10 +281,10 @@ class AppConfig(_Strict):
             raise ValueError("engine.block_size must be >= 1")
         if (self.engine.sim is not None) != (self.kv_transfer.backend == "sim"):
             raise ValueError("engine.sim and kv_transfer.backend: sim go together")
-        check_engine_kwargs(self.engine.engine_kwargs, "engine.engine_kwargs")
+        check_engine_kwargs(self.engine.engine_kwargs, "engine")
         for pool, config in self.pools.items():
             section = "colocated" if pool == "engine" else pool
-            check_engine_kwargs(config.engine_kwargs, f"{section}.engine_kwargs")
+            check_engine_kwargs(config.engine_kwargs, section)
             tp = self.engine_kwargs(pool).get("tensor_parallel_size", 1)
             if config.num_gpus > 0 and tp != config.num_gpus:
                 raise ValueError(
@@ -309,28 +309,29 @@ class AppConfig(_Strict):
         return {"prefill": self.prefill, "decode": self.decode}
 
 
-# EngineArgs pdserve sets from its own fields (the KV layout both pools must share, the model,
-# the cache size): the field to set instead.
+# EngineArgs pdserve sets from its own `engine` fields (the KV layout both pools must share,
+# the model, the cache size): EngineArgs name -> the field of `engine` to set instead.
 MANAGED_ENGINE_ARGS = {
-    "model": "engine.model",
-    "tokenizer": "engine.model",
-    "served_model_name": "engine.served_name",
-    "dtype": "engine.dtype",
-    "max_model_len": "engine.max_model_len",
-    "block_size": "engine.block_size",
-    "max_num_seqs": "engine.max_num_seqs",
-    "seed": "engine.seed",
-    "kv_cache_memory_bytes": "engine.kv_cache_memory_bytes",
-    "gpu_memory_utilization": "engine.gpu_memory_utilization",
-    "kv_transfer_config": "kv_transfer",
+    "model": "model",
+    "tokenizer": "model",
+    "served_model_name": "served_name",
+    "dtype": "dtype",
+    "max_model_len": "max_model_len",
+    "block_size": "block_size",
+    "max_num_seqs": "max_num_seqs",
+    "seed": "seed",
+    "kv_cache_memory_bytes": "kv_cache_memory_bytes",
+    "gpu_memory_utilization": "gpu_memory_utilization",
 }
 
 
-def check_engine_kwargs(kwargs: dict[str, Any], where: str) -> None:
-    """Each name must be one of vLLM's EngineArgs and not one pdserve sets itself; raises
-    ValueError naming the first that is not (vLLM is imported only when there are any)."""
+def check_engine_kwargs(kwargs: dict[str, Any], section: str) -> None:
+    """Each name in `section`'s engine_kwargs must be one of vLLM's EngineArgs and not one
+    pdserve sets itself; raises ValueError naming the first that is not (vLLM is imported
+    only when there are any)."""
     if not kwargs:
         return
+    where = f"{section}.engine_kwargs"
     import dataclasses
 
     from vllm.engine.arg_utils import EngineArgs
@@ -338,7 +339,9 @@ def check_engine_kwargs(kwargs: dict[str, Any], where: str) -> None:
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     for name in kwargs:
         if name in MANAGED_ENGINE_ARGS:
-            raise ValueError(f"{where}.{name}: set {MANAGED_ENGINE_ARGS[name]} instead")
+            raise ValueError(f"{where}.{name}: set engine.{MANAGED_ENGINE_ARGS[name]} instead")
+        if name == "kv_transfer_config":
+            raise ValueError(f"{where}.{name}: set the kv_transfer section instead")
         if name not in known:
             raise ValueError(f"{where}.{name}: not an argument of vLLM's EngineArgs")
 
