@@ -3,7 +3,10 @@ calibrate`): time prefills of several lengths and decodes at several batch sizes
 offline vLLM engine, then fit engine/sim/profile.py's linear step model to them.
 
     decode:  (wall(max_tokens=1 + T) - wall(max_tokens=1)) / T  =  base + decode_seq x batch
-    prefill: wall(n tokens, max_tokens=1) - base  =  prefill_token x n + attention x n^2 / 2
+    prefill: wall(n tokens, max_tokens=1)  =  call + prefill_token x n + attention x n^2 / 2
+
+A prefill's wall time also holds the offline engine's per-call cost (request set-up, output
+processing), which is no step's: its intercept (`call`) is fitted and left out of the profile.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 
 from engine.sim.profile import StepCosts
 
-PREFILL_LENGTHS = (256, 1024, 2048)
+PREFILL_LENGTHS = (128, 512, 1024, 2048)
 DECODE_BATCHES = (1, 8, 32)
 DECODE_STEPS = 32
 DECODE_PROMPT_TOKENS = 16
@@ -36,9 +39,9 @@ def fit_step_costs(m: Measurements) -> StepCosts:
     slope, base = np.polyfit(batches, [m.decode_step_s[b] for b in batches], 1)
     base = max(0.0, float(base))
     lengths = sorted(m.prefill_s)
-    design = np.array([[n, n * n / 2] for n in lengths], dtype=float)
-    target = np.array([m.prefill_s[n] - base for n in lengths])
-    (per_token, attention), *_ = np.linalg.lstsq(design, target, rcond=None)
+    design = np.array([[1, n, n * n / 2] for n in lengths], dtype=float)
+    target = np.array([m.prefill_s[n] for n in lengths])
+    (_call, per_token, attention), *_ = np.linalg.lstsq(design, target, rcond=None)
     return StepCosts(
         base_s=base,
         prefill_token_s=max(0.0, float(per_token)),
