@@ -27,7 +27,7 @@ from deploy.cli import LOCAL_CONFIG
 from deploy.config import load_app_config
 from deploy.local import free_port, marked_pids, pid_is_alive, ray_temp_dir
 from deploy.up import ray_num_cpus
-from tests.procs import descendants, listening_ports, listening_sockets
+from tests.procs import descendants, listening_sockets
 from tests.readme.cli import fresh_env, pdserve
 
 pytestmark = pytest.mark.engine
@@ -120,8 +120,8 @@ def test_status_shows_pools_and_latencies(
     assert as_json.returncode == 0, as_json.stderr[-2000:]
     report = json.loads(as_json.stdout)
     assert report["status"] == "RUNNING"
-    for pool in ("Prefill", "Decode", "Router"):
-        assert report["deployments"][pool]["replica_states"] == {"RUNNING": 1}, report
+    for pool in ("Prefill", "Decode", "Router"):  # the autoscaler may have added one
+        assert report["deployments"][pool]["replica_states"].get("RUNNING", 0) >= 1, report
     assert report["latencies"]["ttft"]["n"] == 3
     assert 0 < report["latencies"]["ttft"]["p50_s"] <= report["latencies"]["ttft"]["p99_s"]
     assert report["endpoints"]["grpc"] == f"127.0.0.1:{state['grpc_port']}"
@@ -248,8 +248,8 @@ def test_rays_own_clis_reach_the_run(
     assert serve.returncode == 0, serve.stderr[-3000:]
     app = yaml.safe_load(serve.stdout)["applications"][state["app"]]
     assert app["status"] == "RUNNING", serve.stdout
-    for name in ("Router", "Prefill", "Decode"):
-        assert app["deployments"][name]["replica_states"] == {"RUNNING": 1}, serve.stdout
+    for name in ("Router", "Prefill", "Decode"):  # the autoscaler may have added one
+        assert app["deployments"][name]["replica_states"].get("RUNNING", 0) >= 1, serve.stdout
 
     ray = ray_cli("ray", "status")
     assert ray.returncode == 0, ray.stderr[-3000:]
@@ -258,9 +258,8 @@ def test_rays_own_clis_reach_the_run(
     assert used is not None, ray.stdout
     config = load_app_config(LOCAL_CONFIG)  # what `up` ran: its pools' CPUs are in use
     in_use = sum(pool.num_cpus * pool.num_replicas for pool in config.pools.values())
-    assert (float(used.group(1)), float(used.group(2))) == (in_use, ray_num_cpus(config)), (
-        ray.stdout
-    )
+    assert float(used.group(1)) >= in_use, ray.stdout  # more once the autoscaler adds one
+    assert float(used.group(2)) == ray_num_cpus(config), ray.stdout
 
     actors = ray_cli("ray", "list", "actors", "--filter", "state=ALIVE", "--limit", "1000")
     assert actors.returncode == 0, actors.stderr[-3000:]
@@ -478,14 +477,17 @@ def test_down_leaves_no_process_and_no_listener(
     # Checked independently of `down`'s own marker search: the process trees of the recorded
     # PIDs, and every port those processes listen on.
     tree = descendants(roots)
-    ports = listening_ports(tree)
+    sockets = listening_sockets(tree)
+    ports = {port for _, port in sockets}
     assert len(tree) > 5, tree  # Ray's head, Redis, replicas and the vLLM engine processes
     assert {int(state["http_port"]), int(state["grpc_port"])} <= ports  # type: ignore[call-overload]
     assert marked_pids(run_id), "the run's processes should carry its marker"
     down = pdserve(env, "down", timeout=180)
     assert down.returncode == 0, down.stdout + down.stderr
     assert [pid for pid in tree if pid_is_alive(pid)] == []
-    assert listening_ports(None) & ports == set()
+    # By address and port: another Ray on the machine (the multi-host tests' namespaces) may
+    # listen on one of these port numbers on an address of its own.
+    assert listening_sockets(None) & sockets == set()
     assert marked_pids(run_id) == []
     again = pdserve(env, "down")
     assert "nothing is running" in again.stdout
