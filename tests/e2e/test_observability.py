@@ -1,11 +1,11 @@
-"""What operators see: Prometheus metrics through Ray's metrics agent, the prefix index the
-router replicas share through Redis, and the latency samples and replica loads `pdserve status`
-reads."""
+"""What operators see: Prometheus metrics through Ray's metrics agent (pdserve's, vLLM's engine
+metrics labelled by app, pool and replica, and every metric the Grafana dashboard in
+deploy/grafana/ queries), the prefix index the router replicas share through Redis, and the
+latency samples and replica loads `pdserve status` reads."""
 
 from __future__ import annotations
 
 import time
-import urllib.request
 
 import pytest
 
@@ -15,22 +15,12 @@ from control.store import ControlStore
 from engine.local import LocalEngine
 from router.prefix import block_hashes
 from tests.e2e.conftest import ServedApp
+from tests.e2e.metrics import scrape
+from tests.grafana import exported_names, load_dashboard, metric_names, queries
 
 pytestmark = pytest.mark.engine
 
 LONG_PROMPT = "shared system prompt for prefix affinity " * 12
-
-
-def _metrics_text() -> str:
-    import ray
-
-    texts = []
-    for node in ray.nodes():
-        if node["Alive"] and node.get("MetricsExportPort"):
-            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
-            with urllib.request.urlopen(url, timeout=10) as response:
-                texts.append(response.read().decode())
-    return "\n".join(texts)
 
 
 def test_prometheus_metrics_are_exported(serve_apps: dict[str, ServedApp]) -> None:
@@ -62,7 +52,7 @@ def test_prometheus_metrics_are_exported(serve_apps: dict[str, ServedApp]) -> No
     deadline = time.monotonic() + 60
     text = ""
     while time.monotonic() < deadline:
-        text = _metrics_text()
+        text = scrape()
         if all(name in text for name in wanted) and ok_count(text) >= 3:
             break
         time.sleep(2)
@@ -70,6 +60,58 @@ def test_prometheus_metrics_are_exported(serve_apps: dict[str, ServedApp]) -> No
     assert not missing, missing
     totals = [line for line in text.splitlines() if "pdserve_requests_total" in line]
     assert ok_count(text) >= 3, totals
+
+
+def test_grafana_dashboard_queries_only_exported_metrics(
+    serve_apps: dict[str, ServedApp],
+) -> None:
+    """Every metric a query of deploy/grafana/pdserve.json names is in the running apps'
+    scrape after a request went through each (both KV backends and the colocated engine), by
+    the name Ray exports; vLLM's engine metrics carry the pool and the app."""
+    for app in serve_apps.values():
+        with app.client() as client:
+            done = collect(client.generate("dashboard please", max_tokens=6, ignore_eos=True))
+        assert len(done.token_ids) == 6, (app.name, done)
+    wanted = set().union(*map(metric_names, queries(load_dashboard())))
+    assert len(wanted) > 10, wanted
+
+    # The agents export on their own period: poll until every name has shown.
+    deadline = time.monotonic() + 90
+    while True:
+        text = scrape()
+        missing = wanted - exported_names(text)
+        unlabelled = {name: _engines_without(text, name) for name in ENGINE_SERIES}
+        if time.monotonic() > deadline or not (missing or any(unlabelled.values())):
+            break
+        time.sleep(2)
+    ours = sorted(n for n in exported_names(text) if n.startswith(("ray_pdserve", "ray_vllm")))
+    assert not missing, f"not exported: {sorted(missing)}; exported: {ours}"
+    # vLLM's engine metrics come from every engine replica, labelled by app, pool and replica.
+    assert not any(unlabelled.values()), unlabelled
+    for name in ENGINE_SERIES:
+        lines = [line for line in text.splitlines() if line.startswith(name + "{")]
+        assert all('ReplicaId=""' not in line for line in lines), lines
+
+
+# Every engine of the package's apps, by (app, pool).
+ENGINES = {
+    ("pd-nixl", "prefill"),
+    ("pd-nixl", "decode"),
+    ("pd-ray", "prefill"),
+    ("pd-ray", "decode"),
+    ("colocated", "engine"),
+}
+# A histogram every finished request lands in, and a gauge the replicas keep fresh.
+ENGINE_SERIES = ("ray_vllm_e2e_request_latency_seconds_count", "ray_vllm_kv_cache_usage_perc")
+
+
+def _engines_without(text: str, name: str) -> set[tuple[str, str]]:
+    lines = [line for line in text.splitlines() if line.startswith(name + "{")]
+    return {
+        (app, pool)
+        for app, pool in ENGINES
+        if not any(f'app="{app}"' in line and f'pool="{pool}"' in line for line in lines)
+    }
 
 
 async def test_prefix_index_and_samples_are_shared_through_redis(
