@@ -55,7 +55,7 @@ async def cpu_per_token_us(service: RouterService, num_tokens: int) -> float:
     first = await anext(chunks)
     num_bytes = 0
     reply = Reply([prepared], "cmpl-bench-1", 0)
-    async for event in sse_events(reply, [first], merged([chunks])):
+    async for event in sse_events(reply, first, merged([chunks])):
         num_bytes += len(event)
     assert num_bytes > 0
     return (time.process_time() - started) / num_tokens * 1e6

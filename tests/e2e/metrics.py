@@ -37,7 +37,12 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def wait_metric(name: str, want: float, timeout_s: float = 60, **labels: str) -> float:
+# Ray's metrics agents export on their own period, and lag on a loaded machine (the engines'
+# vLLM series go through them too).
+EXPORT_WAIT_S = 120.0
+
+
+def wait_metric(name: str, want: float, timeout_s: float = EXPORT_WAIT_S, **labels: str) -> float:
     """Poll the agents until `name` sums to `want` (they export on their own period); returns
     the last value seen, so the caller's assert shows what was there."""
     deadline = time.monotonic() + timeout_s
@@ -48,7 +53,9 @@ def wait_metric(name: str, want: float, timeout_s: float = 60, **labels: str) ->
         time.sleep(1.0)
 
 
-def wait_metric_at_least(name: str, want: float, timeout_s: float = 60, **labels: str) -> float:
+def wait_metric_at_least(
+    name: str, want: float, timeout_s: float = EXPORT_WAIT_S, **labels: str
+) -> float:
     deadline = time.monotonic() + timeout_s
     while True:
         value = metric_sum(scrape(), name, **labels)

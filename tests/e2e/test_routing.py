@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from api.client import collect
+from api.gen.pdserve.v1 import pdserve_pb2
 from control.redis_server import RedisServer
 from deploy.config import AppConfig
 from engine.messages import GenerationRequest, ReplicaLoad
@@ -286,7 +287,7 @@ def test_a_stream_whose_decode_engine_dies_goes_on_elsewhere_token_for_token(
                 # Serve asks them), while it lives (Serve stops it after 3 failed checks).
                 stats = ray.get(_replica_actor(killed).record_routing_stats.remote(), timeout=30)
         assert killed, "the stream ended before an engine was killed"
-        assert last is not None and last.finish_reason == "length"
+        assert last is not None and last.finish_reason == pdserve_pb2.FINISH_REASON_LENGTH
         assert last.usage.completion_tokens == 1500
         assert tokens == list(reference.token_ids)
         assert last.timings.decode_replica not in ("", killed)

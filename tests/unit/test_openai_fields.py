@@ -87,9 +87,9 @@ async def stream_events(chat: bool, **fields: Any) -> list[dict[str, Any]]:
     service = make_service()
     prepared = service.choices(service.prepare(body_for(chat, stream=True, **fields), "req-1"))
     streams = [service.stream(p) for p in prepared]
-    firsts = [await anext(s) for s in streams]
+    first = await anext(streams[0])
     reply = Reply(prepared, "chatcmpl-1" if chat else "cmpl-1", 1)
-    events = [e.decode() async for e in sse_events(reply, firsts, merged(streams))]
+    events = [e.decode() async for e in sse_events(reply, first, merged(streams))]
     assert events[-1] == "data: [DONE]\n\n"
     return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
 

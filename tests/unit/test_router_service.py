@@ -275,7 +275,7 @@ async def test_an_sse_stream_failing_after_it_started_ends_with_an_error_event_a
     chunks = service.stream(prepared)
     first = await anext(chunks)
     reply = Reply([prepared], "cmpl-1", 0)
-    events = [e.decode() async for e in sse_events(reply, [first], merged([chunks]))]
+    events = [e.decode() async for e in sse_events(reply, first, merged([chunks]))]
     *data, error, done = events
     assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in data) == "Wor"
     body = json.loads(error.removeprefix("data: "))["error"]
