@@ -40,6 +40,12 @@ class Detokenizer:
         if self._stream is not None:
             pieces = [self._stream.step(self._backend, int(t)) for t in token_ids]
             self._text += "".join(p for p in pieces if p)
+            if finish_reason is not None:
+                # The stream holds back bytes of a character not complete yet; at the end they
+                # are what a whole decode makes of them (U+FFFD), as the engine's text has.
+                whole = str(self._tokenizer.decode(self._ids, skip_special_tokens=True))
+                if whole.startswith(self._text):
+                    self._text = whole
             text = self._text
         else:
             text = self._text = self._tokenizer.decode(self._ids, skip_special_tokens=True)

@@ -78,3 +78,16 @@ def test_held_back_prefix_is_the_longest_end_that_begins_a_stop(
         (n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0
     )
     assert _longest_stop_prefix(text, stops) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_any_ids_stream_to_exactly_the_whole_decode(tokenizer: Any, data: st.DataObject) -> None:
+    """Random ids (byte tokens that leave a character unfinished included, as a random-weight
+    model emits): the deltas join to what one decode of all the ids gives, at the end too."""
+    ids = data.draw(st.lists(st.integers(0, tokenizer.vocab_size - 1), min_size=1, max_size=40))
+    detok = Detokenizer(tokenizer)
+    sent = "".join(
+        detok.push([t], "length" if i == len(ids) - 1 else None)[0] for i, t in enumerate(ids)
+    )
+    assert sent == tokenizer.decode(ids, skip_special_tokens=True)
