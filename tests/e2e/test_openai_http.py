@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -221,28 +222,14 @@ def test_n_choices_each_match_the_engine_with_its_seed(
         )
         for i in range(2)
     ]
-    whole = client.completions.create(  # type: ignore[attr-defined]
-        model="tiny",
-        prompt=PROMPT,
-        max_tokens=8,
-        temperature=1.0,
-        seed=40,
-        n=2,
-        extra_body={"ignore_eos": True},
-    )
+    asked: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8}
+    asked |= {"temperature": 1.0, "seed": 40, "n": 2, "extra_body": IGNORE_EOS}
+    whole = client.completions.create(**asked)  # type: ignore[attr-defined]
     assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == wants
     assert whole.usage.prompt_tokens == len(prompt_ids)
     assert whole.usage.completion_tokens == 16
     stream = client.completions.create(  # type: ignore[attr-defined]
-        model="tiny",
-        prompt=PROMPT,
-        max_tokens=8,
-        temperature=1.0,
-        seed=40,
-        n=2,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        **asked, stream=True, stream_options={"include_usage": True}
     )
     texts = ["", ""]
     usage = None
