@@ -54,7 +54,7 @@ class DecodeWorker(KVEndpoint):
             kv_transfer_params=self.backend.consumer_request_params(handoff.pull),
             served=True,
         )
-        num_seen = 0
+        first_seen = False  # the token decode samples again, checked then dropped
         load_recorded = named = False
         async for output in self.engine.generate(
             {"prompt_token_ids": list(request.prompt_token_ids)}, sampling, request.request_id
@@ -71,7 +71,7 @@ class DecodeWorker(KVEndpoint):
                     failed=completion.finish_reason == "error",
                 )
                 load_recorded = True
-            if num_seen == 0 and new_ids:
+            if not first_seen and new_ids:
                 if new_ids[0] != handoff.first_token:
                     await self.engine.abort(request.request_id)
                     raise KVTransferError(
@@ -80,8 +80,7 @@ class DecodeWorker(KVEndpoint):
                     )
                 new_ids = new_ids[1:]
                 logprobs = logprobs[1:] if logprobs is not None else None
-                num_seen = 1
-            num_seen += len(new_ids)
+                first_seen = True
             if new_ids or completion.finish_reason is not None:
                 # The first event names this replica (router timings show who decoded).
                 replica_id = "" if named else self.worker_id

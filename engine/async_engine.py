@@ -103,7 +103,7 @@ class ServedEngine:
         request = request.with_pinned_seed()
         sampling = to_sampling_params(request.params, served=True)
         started = time.perf_counter()
-        num_seen = 0
+        first_sent = False
         async for output in self.engine.generate(
             {"prompt_token_ids": list(request.prompt_token_ids)}, sampling, request.request_id
         ):
@@ -112,7 +112,7 @@ class ServedEngine:
             logprobs = logprobs_of(completion, request.params)
             if not new_ids and completion.finish_reason is None:
                 continue
-            if num_seen == 0 and new_ids:
+            if not first_sent and new_ids:
                 _, compute_s = engine_times(output.metrics, time.perf_counter() - started)
                 first = TokenEvent(
                     new_ids[:1],
@@ -123,14 +123,13 @@ class ServedEngine:
                     logprobs=logprobs[:1] if logprobs is not None else None,
                 )
                 yield first
-                num_seen = 1
+                first_sent = True
                 new_ids = new_ids[1:]
                 logprobs = logprobs[1:] if logprobs is not None else None
                 if not new_ids and first.finish_reason is not None:
                     return
                 if not new_ids and completion.finish_reason is None:
                     continue
-            num_seen += len(new_ids)
             yield TokenEvent(new_ids, completion.finish_reason, logprobs=logprobs)
 
     async def abort(self, request_id: str) -> None:

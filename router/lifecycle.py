@@ -139,10 +139,10 @@ def generate_disaggregated(
         is_last = len(failed) == max_migrations
         is_new = not failed
         failed.append(at)
-        if is_new and prefill_locally is not None and prefill_locally(request):
-            return _on_decode_alone(decode, request, avoid, at)
-        if num_prefill_failures >= PREFILL_TRIES or (num_prefill_failures and is_last):
-            # No prefill replica could take it: a decode replica prefills for itself.
+        # A decode replica prefills for itself when the router chose so for a new request, or
+        # when no prefill replica could take it.
+        chosen = is_new and prefill_locally is not None and prefill_locally(request)
+        if chosen or num_prefill_failures >= PREFILL_TRIES or (num_prefill_failures and is_last):
             return _on_decode_alone(decode, request, avoid, at)
         return _one_attempt(prefill, decode, request, avoid, at)
 

@@ -92,7 +92,7 @@ def first_unsupported(body: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 def _is_default(value: object, defaults: tuple[Any, ...]) -> bool:
-    # bool is an int subclass: `true` is not the default 1 of `n`, nor `false` the 0 of a count.
+    # bool is an int subclass: `false` is not the default 0 of a count, nor `true` a 1.
     return any(
         (type(value) is type(default) and value == default)
         or (
