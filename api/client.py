@@ -22,6 +22,7 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypedDict, Unpack
 
@@ -33,6 +34,8 @@ from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 
 # The API key clients send when none is given (as the `openai` package reads OPENAI_API_KEY).
 API_KEY_ENV = "PDSERVE_API_KEY"
+# A PEM file of the root certificates to trust: the channel is TLS when it is set.
+TLS_ROOTS_ENV = "PDSERVE_TLS_ROOTS"
 
 DEFAULT_TARGET = "localhost:9000"  # Ray Serve's default gRPC port
 
@@ -127,7 +130,9 @@ async def acollect(responses: AsyncIterable[pdserve_pb2.GenerateResponse]) -> Co
 
 class PDServeClient:
     """Blocking client over one channel; `timeout_s` bounds each call (None: no deadline).
-    `api_key` (default: $PDSERVE_API_KEY) goes with every call as `authorization` metadata."""
+    `api_key` (default: $PDSERVE_API_KEY) goes with every call as `authorization` metadata.
+    `root_certificates` (PEM bytes; default: the file $PDSERVE_TLS_ROOTS names) makes the
+    channel TLS, trusting those roots; with neither it is plaintext."""
 
     def __init__(
         self,
@@ -135,8 +140,14 @@ class PDServeClient:
         application: str | None = None,
         timeout_s: float | None = None,
         api_key: str | None = None,
+        root_certificates: bytes | None = None,
     ) -> None:
-        self._channel = grpc.insecure_channel(target)
+        credentials = _channel_credentials(root_certificates)
+        self._channel = (
+            grpc.secure_channel(target, credentials)
+            if credentials
+            else grpc.insecure_channel(target)
+        )
         self._stub = pdserve_pb2_grpc.PDServeServiceStub(self._channel)
         self._call_options = _call_options(application, timeout_s, api_key)
 
@@ -193,8 +204,14 @@ class AsyncPDServeClient:
         application: str | None = None,
         timeout_s: float | None = None,
         api_key: str | None = None,
+        root_certificates: bytes | None = None,
     ) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
+        credentials = _channel_credentials(root_certificates)
+        self._channel = (
+            grpc.aio.secure_channel(target, credentials)
+            if credentials
+            else grpc.aio.insecure_channel(target)
+        )
         self._stub = pdserve_pb2_grpc.PDServeServiceStub(self._channel)
         self._call_options = _call_options(application, timeout_s, api_key)
 
@@ -243,6 +260,14 @@ class AsyncPDServeClient:
         traceback: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+def _channel_credentials(root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
+    if root_certificates is None and os.environ.get(TLS_ROOTS_ENV):
+        root_certificates = Path(os.environ[TLS_ROOTS_ENV]).read_bytes()
+    if root_certificates is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
 
 
 def _call_options(

@@ -131,10 +131,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from api.client import PDServeClient, collect
     from deploy.local import client_api_key, load_run
 
-    target = args.target
+    target, roots = args.target, None
     if target is None:
         run = load_run()
         target = run.grpc_target if run is not None else "127.0.0.1:9000"
+        roots = run.tls_roots() if run is not None else None
     kwargs: dict[str, object] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.seed is not None:
         kwargs["seed"] = args.seed
@@ -146,7 +147,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
     api_key = client_api_key(args.api_key)
-    with PDServeClient(target, timeout_s=args.timeout, api_key=api_key) as client:
+    with PDServeClient(
+        target, timeout_s=args.timeout, api_key=api_key, root_certificates=roots
+    ) as client:
         try:
             stream = client.generate(prompt, **kwargs)  # type: ignore[arg-type]
             if args.stream:
@@ -263,7 +266,7 @@ def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
         action="store_true",
         help="no API key (refused unless every listener is on loopback)",
     )
-    up.add_argument("--tls-cert", help="PEM certificate: the HTTP proxy serves HTTPS only")
+    up.add_argument("--tls-cert", help="PEM certificate: the HTTP and gRPC proxies serve TLS only")
     up.add_argument("--tls-key", help="PEM private key of --tls-cert")
     up.set_defaults(func=_cmd_up)
 
@@ -290,7 +293,11 @@ def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
         "--json", action="store_true", help="print the completion as one JSON object (no --stream)"
     )
     gen.add_argument("--chat", action="store_true", help="send the prompt as one user message")
-    gen.add_argument("--target", help="gRPC host:port (default: the local run, else :9000)")
+    gen.add_argument(
+        "--target",
+        help="gRPC host:port (default: the local run, else :9000); TLS when $PDSERVE_TLS_ROOTS "
+        "names the root certificates to trust",
+    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)

@@ -64,7 +64,7 @@ class LocalRun:
     ray_token_path: str
     # The run's API key ("" when the app runs without keys): `generate` and `bench` send it.
     api_key: str = ""
-    # The HTTP proxy's certificate and key (PEM files) when it serves HTTPS; "" for plain HTTP.
+    # The proxies' certificate and key (PEM files) when they serve TLS; "" for plaintext.
     tls_cert: str = ""
     tls_key: str = ""
     # Ray's dashboard (HTTP, loopback, the run's Ray token); 0 in a state file from before it.
@@ -78,6 +78,10 @@ class LocalRun:
     def http_url(self) -> str:
         scheme = "https" if self.tls_cert else "http"
         return f"{scheme}://127.0.0.1:{self.http_port}/v1"
+
+    def tls_roots(self) -> bytes | None:
+        """What a client of this run trusts: its own certificate (None: plaintext)."""
+        return Path(self.tls_cert).read_bytes() if self.tls_cert else None
 
     @property
     def dashboard_url(self) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from api import grpc_listener
 from control.keys import REDIS_URL_ENV
 from control.redis_server import start_redis_server
 from deploy.config import AppConfig
@@ -71,11 +72,14 @@ class PhaseClock:
 GRPC_MESSAGE_LIMIT_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
 
 
-def _cluster_env(config: AppConfig) -> dict[str, str]:
-    """Settings of the local cluster's processes that come from the app's config: a gRPC
-    message is held to the HTTP body's limit (larger ones end RESOURCE_EXHAUSTED in the proxy,
-    before anything is parsed)."""
-    return {GRPC_MESSAGE_LIMIT_ENV: str(config.router.max_body_bytes)}
+def _cluster_env(config: AppConfig, tls: tuple[str, str] | None) -> dict[str, str]:
+    """Settings of the local cluster's processes: a gRPC message is held to the HTTP body's
+    limit (larger ones end RESOURCE_EXHAUSTED in the proxy, before anything is parsed), and
+    Serve's gRPC proxy listens on loopback, with TLS when the run has a certificate."""
+    return {
+        GRPC_MESSAGE_LIMIT_ENV: str(config.router.max_body_bytes),
+        **grpc_listener.proxy_env(LOOPBACK, tls),
+    }
 
 
 def ray_num_cpus(config: AppConfig) -> int:
@@ -84,9 +88,8 @@ def ray_num_cpus(config: AppConfig) -> int:
     return max(os.cpu_count() or 1, int(sum(p.num_cpus * p.max_replicas for p in pools)) + 1)
 
 
-# Where each listener of a local run binds. Serve's gRPC proxy takes no host: it binds every
-# interface (ray.serve._private.grpc_util), so a local run always keeps its API keys.
-LISTENERS = {"HTTP": LOOPBACK, "gRPC": "::"}
+# Where each listener of a local run binds (Serve's gRPC proxy through api/grpc_listener.py).
+LISTENERS = {"HTTP": LOOPBACK, "gRPC": LOOPBACK}
 
 
 def check_no_auth_allowed(listeners: dict[str, str] = LISTENERS) -> None:
@@ -95,7 +98,7 @@ def check_no_auth_allowed(listeners: dict[str, str] = LISTENERS) -> None:
     if exposed:
         raise ValueError(
             "--no-auth is refused: not every listener is on loopback "
-            f"({', '.join(exposed)}; Serve's gRPC proxy binds all interfaces). "
+            f"({', '.join(exposed)}). "
             "Use the API key `pdserve up` prints (clients read $PDSERVE_API_KEY)."
         )
 
@@ -136,7 +139,7 @@ def up(
 ) -> LocalRun:
     """Start the run. With `auth` and no keys file in `config`, the run gets a fresh API key
     (hashed in its folder, the key itself in the 0600 run state for `generate` and `bench`).
-    `tls` (certificate, key: PEM files) makes the HTTP proxy serve HTTPS only. `report` hears
+    `tls` (certificate, key: PEM files) makes both proxies serve TLS only. `report` hears
     each phase as it begins."""
     if not auth:
         check_no_auth_allowed()
@@ -180,7 +183,7 @@ def up(
     try:
         report("starting Ray's head (token auth, dashboard on loopback)")
         ray_pid, address, dashboard_port = start_ray_head(
-            run_id, base, ray_num_cpus(config), token_path, extra_env=_cluster_env(config)
+            run_id, base, ray_num_cpus(config), token_path, extra_env=_cluster_env(config, tls)
         )
         run = LocalRun(
             run_id=run_id,

@@ -51,7 +51,8 @@ def _socket_inodes(pids: Iterable[int]) -> set[str]:
 
 def listening_sockets(pids: Iterable[int] | None) -> set[tuple[str, int]]:
     """(address, port) of TCP listeners in this network namespace, of `pids` only unless None.
-    Addresses as the kernel shows them: "127.0.0.1", "0.0.0.0", "::", "::1"."""
+    Addresses as the kernel shows them: "127.0.0.1", "0.0.0.0", "::", "::1" (an IPv4-mapped
+    IPv6 address as the IPv4 one)."""
     wanted = None if pids is None else _socket_inodes(pids)
     found = set()
     for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
@@ -77,7 +78,10 @@ def _address(hex_address: str, width: int) -> str:
         return str(ipaddress.IPv4Address(raw[::-1]))
     # /proc shows IPv6 as four little-endian 32-bit words.
     words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
-    return str(ipaddress.IPv6Address(words))
+    address = ipaddress.IPv6Address(words)
+    # A dual-stack socket bound to an IPv4 address (gRPC binds "127.0.0.1" so) listens on that
+    # address alone: shown as it, not as "::ffff:7f00:1".
+    return str(address.ipv4_mapped or address)
 
 
 def children_named(pid: int, needle: str) -> list[int]:

@@ -357,11 +357,11 @@ def _is_loopback(address: str) -> bool:
 def test_pdserves_own_listeners_are_on_loopback(
     local_run: tuple[dict[str, str], dict[str, object]],
 ) -> None:
-    """Redis, the engines (NIXL's side channel, vLLM's own sockets), Serve's HTTP proxy and
-    Ray's dashboard (Serve's REST API, `serve deploy`) bind loopback. What binds every
-    interface is Ray's (GCS, raylet, agents, the dashboard's own metrics, Serve's controller and
-    replicas: Ray 2.60 takes no bind address; the run's Ray token guards them) and Serve's gRPC
-    proxy (it takes no host; the run's API key guards it): listed here, so a new one fails."""
+    """Redis, the engines (NIXL's side channel, vLLM's own sockets), Serve's HTTP and gRPC
+    proxies (the gRPC one through api/grpc_listener.py) and Ray's dashboard (Serve's REST API,
+    `serve deploy`) bind loopback. What binds every interface is Ray's alone (GCS, raylet,
+    agents, the dashboard's own metrics, Serve's controller and replicas: Ray 2.60 takes no
+    bind address; the run's Ray token guards them): listed here, so a new one fails."""
     _, state = local_run
     tree = descendants([int(state["ray_pid"]), int(state["redis_pid"])])  # type: ignore[call-overload]
     own, exposed = [], []
@@ -376,17 +376,19 @@ def test_pdserves_own_listeners_are_on_loopback(
             for address, port in listening_sockets([pid]):
                 if argv.startswith(_OWN_PROCESSES) or port in (
                     state["http_port"],
+                    state["grpc_port"],
                     state["dashboard_port"],
                 ):
                     own.append((name, address, port))
                 elif not _is_loopback(address):
                     exposed.append((name, address, port, is_ray))
-    assert {p for _, _, p in own} >= {int(state["http_port"]), int(state["dashboard_port"])}  # type: ignore[call-overload]
+    ports = {int(state[name]) for name in ("http_port", "grpc_port", "dashboard_port")}  # type: ignore[call-overload]
+    assert {p for _, _, p in own} >= ports, own
     assert sum(1 for name, _, _ in own if name.startswith("VLLM::")) >= 4, own  # side channels
     assert [e for e in own if not _is_loopback(e[1])] == [], own
     assert [e for e in exposed if not e[3]] == [], exposed
-    grpc_listeners = [e for e in exposed if e[2] == state["grpc_port"]]
-    assert [e[:2] for e in grpc_listeners] == [("ray::ProxyActor", "::")], exposed
+    grpc_listeners = [e for e in own if e[2] == state["grpc_port"]]
+    assert [e[:2] for e in grpc_listeners] == [("ray::ProxyActor", "127.0.0.1")], own
     assert len(exposed) >= 10, exposed  # Ray's: the list is read, not empty by mistake
 
 
