@@ -77,6 +77,10 @@ def test_kuberay_rayservice_embeds_a_valid_serve_config() -> None:
     assert config.engine.device == "cuda"
     groups = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert groups[0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    assert service["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}
+    # The control plane's password reaches the pods from the Secret, never a literal.
+    for doc in docs:
+        assert "redis://" not in yaml.safe_dump(doc)
 
 
 def test_cluster_launcher_yaml_passes_rays_schema() -> None:
