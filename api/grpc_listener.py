@@ -2,16 +2,15 @@
 
 Serve 2.60's proxy takes neither: it binds `[::]:<port>` in plaintext
 (ray.serve._private.grpc_util.start_grpc_server, through `default_impl.add_grpc_address`, the
-function Ray keeps for deployments to replace). Serve calls one import path of ours in each
-proxy process before its gRPC server starts: `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, meant
-to return HTTP middlewares. `install` returns none and puts `bind` in place of that function, so
-the proxy's listener follows the node's environment:
+function Ray keeps for deployments to replace). The proxy callback (api/proxy_callback.py) runs
+`replace_binder` in each proxy process before its gRPC server starts, so the listener follows
+the node's environment:
 
   PDSERVE_GRPC_HOST       the address to bind (default: every interface, as Serve does)
   PDSERVE_GRPC_TLS_CERT   a PEM certificate (chain) and its key: the proxy serves TLS only
   PDSERVE_GRPC_TLS_KEY
 
-`pdserve up` sets them on its Ray head (`proxy_env`); a cluster sets them on each node's
+`pdserve up` sets them on its Ray head (`listener_env`); a cluster sets them on each node's
 `ray start` (docs/operations.md).
 """
 
@@ -21,16 +20,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 HOST_ENV = "PDSERVE_GRPC_HOST"
 TLS_CERT_ENV = "PDSERVE_GRPC_TLS_CERT"
 TLS_KEY_ENV = "PDSERVE_GRPC_TLS_KEY"
 
 
-def proxy_env(host: str | None, tls: tuple[str, str] | None) -> dict[str, str]:
+def listener_env(host: str | None, tls: tuple[str, str] | None) -> dict[str, str]:
     """The environment that makes Serve's gRPC proxy bind `host` (None: every interface) and
     serve TLS with `tls` (certificate, key: PEM paths the proxy's node can read)."""
-    env = {CALLBACK_ENV: f"{__name__}.install"}
+    env = {}
     if host:
         env[HOST_ENV] = host
     if tls:
@@ -80,9 +78,8 @@ def bind(server: Any, serve_address: str) -> None:
         server.add_secure_port(address, credentials)
 
 
-def install() -> list[Any]:
-    """The proxy callback: no HTTP middleware; the gRPC listener bound by `bind`."""
+def replace_binder() -> None:
+    """Serve's proxy binds its gRPC port with `bind` from now on."""
     from ray.serve._private import default_impl
 
     default_impl.add_grpc_address = bind
-    return []

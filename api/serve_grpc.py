@@ -16,6 +16,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from api.gen.pdserve.v1 import pdserve_pb2_grpc
+from api.proxy_gate import gated_factory, proxy_gate
 
 SERVICE = "pdserve.v1.PDServeService"
 
@@ -51,8 +52,10 @@ class _Recorder:
 
 
 def add_PDServeServicer_to_server(servicer: Any, server: Any) -> None:
-    """The generated `add_PDServeServiceServicer_to_server`, with the tolerant parsers. Its name
-    is the one the Serve configs give (`api.serve_grpc.add_PDServeServicer_to_server`)."""
+    """The generated `add_PDServeServiceServicer_to_server`, with the tolerant parsers, and in a
+    proxy whose environment sets a capacity, the in-flight gate around the generation methods
+    (api/proxy_gate.py). Its name is the one the Serve configs give
+    (`api.serve_grpc.add_PDServeServicer_to_server`)."""
     import grpc
 
     recorder = _Recorder()
@@ -61,5 +64,8 @@ def add_PDServeServicer_to_server(servicer: Any, server: Any) -> None:
         name: handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
         for name, handler in recorder.handlers.items()
     }
+    gate = proxy_gate()
+    if gate is not None and hasattr(server, "service_handler_factory"):  # Serve's gRPC proxy
+        server.service_handler_factory = gated_factory(server.service_handler_factory, gate)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)

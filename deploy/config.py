@@ -167,6 +167,12 @@ class RouterConfig(_Strict):
         description="calls Serve's proxy holds for a router replica that has max_in_flight + "
         "refusal_room in hand; past it Serve refuses them (gRPC RESOURCE_EXHAUSTED, HTTP 503)",
     )
+    proxy_gate: bool = Field(
+        True,
+        description="`pdserve up`: Serve's proxies refuse generation calls past max_in_flight x "
+        "num_replicas in flight through them themselves, before the hop to a router replica "
+        "(api/proxy_gate.py)",
+    )
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a client may ask")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when the client sends none")
     prefix_ttl_s: float = Field(300.0, gt=0, description="how long a prefix-index entry lives")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from api import grpc_listener
+from api import proxy_callback
 from control.keys import REDIS_URL_ENV
 from control.redis_server import start_redis_server
 from deploy.config import AppConfig
@@ -74,11 +74,18 @@ GRPC_MESSAGE_LIMIT_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
 
 def _cluster_env(config: AppConfig, tls: tuple[str, str] | None) -> dict[str, str]:
     """Settings of the local cluster's processes: a gRPC message is held to the HTTP body's
-    limit (larger ones end RESOURCE_EXHAUSTED in the proxy, before anything is parsed), and
-    Serve's gRPC proxy listens on loopback, with TLS when the run has a certificate."""
+    limit (larger ones end RESOURCE_EXHAUSTED in the proxy, before anything is parsed); Serve's
+    gRPC proxy listens on loopback, with TLS when the run has a certificate; and the proxies
+    refuse generation calls past the routers' admission themselves (api/proxy_gate.py)."""
+    router = config.router
     return {
-        GRPC_MESSAGE_LIMIT_ENV: str(config.router.max_body_bytes),
-        **grpc_listener.proxy_env(LOOPBACK, tls),
+        GRPC_MESSAGE_LIMIT_ENV: str(router.max_body_bytes),
+        **proxy_callback.proxy_env(
+            LOOPBACK,
+            tls,
+            router.max_in_flight * router.num_replicas if router.proxy_gate else 0,
+            config.name,
+        ),
     }
 
 

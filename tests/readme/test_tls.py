@@ -3,7 +3,8 @@ loopback, and take calls without a key (every listener is on loopback, so `--no-
 allowed). A client that trusts the certificate gets answers over HTTPS and gRPC (the Python
 client and `pdserve generate`, which trusts the run's certificate); one that does not is refused
 by its own TLS check; plaintext on either port gets no answer. The cheapest app that serves: the
-tiny model, colocated."""
+tiny model, colocated, with a router admitting 2 calls: past them the proxies refuse calls
+themselves."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ from tests.readme.cli import fresh_env, pdserve
 
 pytestmark = pytest.mark.engine
 
+# The router's admission (router.max_in_flight): the proxies' gate refuses past it.
+CAPACITY = 2
+
 
 @pytest.fixture(scope="module")
 def tls_run(
@@ -35,10 +39,12 @@ def tls_run(
     env = fresh_env(home)
     cert, key = self_signed(tmp_path_factory.mktemp("tls"))
     http_port, grpc_port = free_port(), free_port()
+    config = tmp_path_factory.mktemp("config") / "app.yaml"
+    config.write_text(f"router:\n  max_in_flight: {CAPACITY}\n")
     up = pdserve(
         env,
         "up",
-        *("--model", "tiny", "--topology", "colocated", "--no-auth"),
+        *("--config", str(config), "--model", "tiny", "--topology", "colocated", "--no-auth"),
         *("--tls-cert", str(cert), "--tls-key", str(key)),
         *("--http-port", str(http_port), "--grpc-port", str(grpc_port)),
         timeout=900,
@@ -115,6 +121,67 @@ def test_both_proxies_listen_on_loopback_only(
     for name in ("http_port", "grpc_port"):
         addresses = sorted(address for address, port in sockets if port == state[name])
         assert addresses == ["127.0.0.1"], (name, sockets)
+
+
+async def test_the_proxies_refuse_calls_past_capacity_before_the_router(
+    tls_run: tuple[Path, dict[str, object], dict[str, str]],
+) -> None:
+    """CAPACITY streams held open, then gRPC and HTTP calls past them: each refused by the proxy
+    (its message names the proxy, the router's names its admission) with RESOURCE_EXHAUSTED /
+    429, while the held streams go on and finish whole."""
+    import asyncio
+
+    import httpx
+
+    from api.client import AsyncPDServeClient
+
+    cert, state, _ = tls_run
+    target = f"127.0.0.1:{state['grpc_port']}"
+    url = f"https://127.0.0.1:{state['http_port']}/v1/completions"
+    held_tokens = 1500
+    async with AsyncPDServeClient(
+        target, timeout_s=300, root_certificates=cert.read_bytes()
+    ) as client:
+        first = [asyncio.Event() for _ in range(CAPACITY)]
+
+        async def hold(i: int) -> int:
+            tokens = 0
+            async for chunk in client.generate("hold", max_tokens=held_tokens, ignore_eos=True):
+                first[i].set()
+                tokens += len(chunk.token_ids)
+            return tokens
+
+        held = [asyncio.create_task(hold(i)) for i in range(CAPACITY)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 120)
+
+        async def grpc_call() -> tuple[grpc.StatusCode, str]:
+            try:
+                async for _ in client.generate("over", max_tokens=2):
+                    pass
+            except grpc.aio.AioRpcError as error:
+                return error.code(), error.details() or ""
+            return grpc.StatusCode.OK, ""
+
+        async with httpx.AsyncClient(verify=str(cert), timeout=60) as http:
+            body = {"prompt": "over", "max_tokens": 2}
+            answers = await asyncio.gather(
+                *(grpc_call() for _ in range(10)), *(http.post(url, json=body) for _ in range(10))
+            )
+        grpc_answers, http_answers = answers[:10], answers[10:]
+        assert all(not task.done() for task in held), "the held streams ended before the burst"
+        for code, details in grpc_answers:
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+            assert "through this proxy" in details, details
+        for response in http_answers:
+            assert response.status_code == 429, response.text
+            error = response.json()["error"]
+            assert (
+                error["type"] == "rate_limit_exceeded" and "through this proxy" in error["message"]
+            )
+        assert await asyncio.gather(*held) == [held_tokens] * CAPACITY
+        # Room again: a call now is admitted.
+        done = [c async for c in client.generate("after", max_tokens=2, ignore_eos=True)]
+        assert sum(len(c.token_ids) for c in done) == 2
 
 
 def test_up_names_a_missing_or_non_pem_tls_file(tmp_path: Path) -> None:

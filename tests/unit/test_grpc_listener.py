@@ -1,6 +1,7 @@
-"""api/grpc_listener.py: what Serve's gRPC proxy binds and whether it speaks TLS, from the
-environment. The binding itself is checked on a real grpc.aio server and real sockets: a TLS
-listener on loopback answers a client that trusts its certificate, and nothing else."""
+"""api/grpc_listener.py and api/proxy_callback.py: what Serve's gRPC proxy binds and whether it
+speaks TLS, from the environment. The binding itself is checked on a real grpc.aio server and
+real sockets: a TLS listener on loopback answers a client that trusts its certificate, and
+nothing else."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from api import grpc_listener
 from api.client import _channel_credentials
+from api.proxy_callback import install, proxy_env
 from deploy.local import free_port
 from tests.certs import self_signed
 from tests.procs import listening_sockets
@@ -28,12 +30,17 @@ def test_listen_address_keeps_serves_port_on_the_host_asked() -> None:
 
 
 def test_proxy_env_names_the_callback_and_only_what_was_asked() -> None:
-    assert grpc_listener.proxy_env(None, None) == {
-        "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "api.grpc_listener.install"
+    callback = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "api.proxy_callback.install"}
+    assert proxy_env(None, None) == callback
+    env = proxy_env("127.0.0.1", ("/c.pem", "/k.pem"), max_in_flight=20, app="pdserve")
+    assert env == {
+        **callback,
+        grpc_listener.HOST_ENV: "127.0.0.1",
+        grpc_listener.TLS_CERT_ENV: "/c.pem",
+        grpc_listener.TLS_KEY_ENV: "/k.pem",
+        "PDSERVE_PROXY_MAX_IN_FLIGHT": "20",
+        "PDSERVE_PROXY_APP": "pdserve",
     }
-    env = grpc_listener.proxy_env("127.0.0.1", ("/c.pem", "/k.pem"))
-    assert env[grpc_listener.HOST_ENV] == "127.0.0.1"
-    assert (env[grpc_listener.TLS_CERT_ENV], env[grpc_listener.TLS_KEY_ENV]) == ("/c.pem", "/k.pem")
 
 
 def test_credentials_refuse_half_a_pair_and_name_an_unreadable_file(tmp_path: Path) -> None:
@@ -49,15 +56,27 @@ def test_credentials_refuse_half_a_pair_and_name_an_unreadable_file(tmp_path: Pa
         grpc_listener.server_credentials(missing)
 
 
-def test_install_replaces_serves_binder_and_adds_no_middleware() -> None:
+def test_install_replaces_serves_binder_and_adds_the_gate_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from ray.serve._private import default_impl
+
+    from api import proxy_gate
 
     original = default_impl.add_grpc_address
     try:
-        assert grpc_listener.install() == []
+        monkeypatch.delenv(proxy_gate.MAX_IN_FLIGHT_ENV, raising=False)
+        proxy_gate.proxy_gate.cache_clear()
+        assert install() == []
         assert default_impl.add_grpc_address is grpc_listener.bind
+        monkeypatch.setenv(proxy_gate.MAX_IN_FLIGHT_ENV, "3")
+        proxy_gate.proxy_gate.cache_clear()
+        [middleware] = install()
+        assert middleware.cls is proxy_gate.HttpGate
+        assert middleware.kwargs["gate"].capacity == 3
     finally:
         default_impl.add_grpc_address = original
+        proxy_gate.proxy_gate.cache_clear()
 
 
 async def _check(target: str, credentials: grpc.ChannelCredentials | None) -> int:
@@ -76,7 +95,7 @@ async def test_a_tls_listener_on_loopback_answers_only_a_client_that_trusts_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cert, key = self_signed(tmp_path)
-    for name, value in grpc_listener.proxy_env("127.0.0.1", (str(cert), str(key))).items():
+    for name, value in proxy_env("127.0.0.1", (str(cert), str(key))).items():
         monkeypatch.setenv(name, value)
     port = free_port()
     server = grpc.aio.server()
