@@ -9,8 +9,8 @@ the admitted streams finish, and what the burst costs the router's memory.
 requests (its `router.max_in_flight`), so every burst stream is over capacity: each should end
 with RESOURCE_EXHAUSTED, and the time from sending it to that status is the refusal latency.
 The held streams must all finish with `--max-tokens` tokens. Without --target it runs against
-the local run of `pdserve up` and reads the RSS of that run's router replica before and after
-the burst (and its peak) from /proc.
+the local run of `pdserve up` and reads the RSS of that run's router replica and of Serve's
+proxy before and after the burst (and their peaks) from /proc.
 
 Prints one JSON object: the codes seen, refusal latency percentiles (ms), held streams finished,
 and the router's memory.
@@ -31,13 +31,14 @@ from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from bench.stats import percentile
 
 
-def _router_pid(run_id: str, app: str) -> int | None:
+def _actor_pid(run_id: str, name: str) -> int | None:
+    """The PID of the run's Ray actor process named `name` ("ServeReplica:<app>:Router",
+    "ProxyActor")."""
     from deploy.local import marked_pids
 
-    name = f"ServeReplica:{app}:Router".encode()
     for pid in marked_pids(run_id):
         try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::" + name):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"ray::{name}".encode()):
                 return pid
         except OSError:
             continue
@@ -91,9 +92,10 @@ async def run(
     max_tokens: int,
     router_pid: int | None = None,
     burst_max_tokens: int = 8,
+    proxy_pid: int | None = None,
 ) -> dict[str, object]:
     """The burst against `target` (`metadata` on every call: the key, the application);
-    `router_pid`: whose memory to read (None: not read)."""
+    `router_pid`, `proxy_pid`: whose memory to read (None: not read)."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pdserve_pb2_grpc.PDServeServiceStub(channel)
         firsts = [asyncio.Event() for _ in range(hold)]
@@ -104,7 +106,7 @@ async def run(
             for i in range(hold)
         ]
         await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), timeout=600)
-        before = _memory_kib(router_pid)
+        before, proxy_before = _memory_kib(router_pid), _memory_kib(proxy_pid)
         sent = time.perf_counter()
         results = await asyncio.gather(
             *(_stream(stub, f"burst {i}", burst_max_tokens, metadata) for i in range(burst))
@@ -112,7 +114,7 @@ async def run(
         burst_s = time.perf_counter() - sent
         # Still streaming when the last burst call ended: the burst met a full router.
         held_open = sum(1 for task in held if not task.done())
-        after = _memory_kib(router_pid)
+        after, proxy_after = _memory_kib(router_pid), _memory_kib(proxy_pid)
         held_results = await asyncio.gather(*held)
     refused_ms = [1000 * s for code, s, _ in results if code == "RESOURCE_EXHAUSTED"]
     return {
@@ -135,6 +137,12 @@ async def run(
             "after": after.get("VmRSS"),
             "peak": after.get("VmHWM"),
         },
+        # Serve's proxy: where the burst's calls are refused when its in-flight gate is on.
+        "proxy_rss_kib": {
+            "before": proxy_before.get("VmRSS"),
+            "after": proxy_after.get("VmRSS"),
+            "peak": proxy_after.get("VmHWM"),
+        },
     }
 
 
@@ -153,8 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     if target is None:
         parser.error("no --target and no local run")
     run_state = None if args.target else load_run()
-    pid = None if run_state is None else _router_pid(run_state.run_id, run_state.app)
-    report = asyncio.run(run(target, metadata, args.hold, args.burst, args.max_tokens, pid))
+    pid = proxy_pid = None
+    if run_state is not None:
+        pid = _actor_pid(run_state.run_id, f"ServeReplica:{run_state.app}:Router")
+        proxy_pid = _actor_pid(run_state.run_id, "ProxyActor")
+    report = asyncio.run(
+        run(target, metadata, args.hold, args.burst, args.max_tokens, pid, proxy_pid=proxy_pid)
+    )
     print(json.dumps(report, indent=2))
     return 0
 
