@@ -85,7 +85,7 @@ def deployment_options(config: AppConfig, pool: PoolName) -> dict[str, Any]:
         # Engines take a minute to start on CPU; a slow first health check is not a failure.
         "health_check_period_s": 10,
         "health_check_timeout_s": 60,
-        "graceful_shutdown_timeout_s": 20,
+        "graceful_shutdown_timeout_s": graceful_shutdown_s(config, pool),
         "request_router_config": RequestRouterConfig(
             request_router_class=_ROUTERS[pool],
             request_router_kwargs=router_kwargs,
@@ -93,6 +93,22 @@ def deployment_options(config: AppConfig, pool: PoolName) -> dict[str, Any]:
             request_routing_stats_timeout_s=max(5.0, 5 * config.router.stats_interval_s),
         ),
     }
+
+
+# Serve's least wait for a stopping replica's calls before it is killed.
+MIN_GRACEFUL_SHUTDOWN_S = 20.0
+
+
+def graceful_shutdown_s(config: AppConfig, pool: PoolName) -> float:
+    """How long Serve lets a replica chosen for removal drain (it gets no new calls meanwhile)
+    before killing it; what is still running then moves to another replica (router/lifecycle.py).
+    A prefill replica's calls end at the first token, but its handoffs' KV lives until pulled
+    or until the lease ends: the lease, plus the least wait. A decode or colocated replica's
+    stream may run to the largest max_tokens at the TPOT target."""
+    if pool == "prefill":
+        return config.kv_transfer.lease_seconds + MIN_GRACEFUL_SHUTDOWN_S
+    longest_stream_s = config.router.max_tokens_limit * config.autoscaling.tpot_p95_s
+    return max(MIN_GRACEFUL_SHUTDOWN_S, longest_stream_s)
 
 
 def _replica_count(config: AppConfig, pool: PoolName) -> dict[str, Any]:

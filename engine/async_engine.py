@@ -6,6 +6,7 @@ VLLM_CPU_OMP_THREADS_BIND (from EngineSettings.cpu_cores) pins the compute threa
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
@@ -138,6 +139,18 @@ class ServedEngine:
     async def is_idle(self) -> bool:
         """True when the engine holds no KV block (strict, fresh; see kv_cache_is_empty)."""
         return await kv_cache_is_empty(self.engine)
+
+    async def wait_idle(self, timeout_s: float, poll_s: float = 0.2) -> bool:
+        """True once the engine holds no KV block; False when `timeout_s` passed first (frees
+        lag a step, and a prefill engine holds a handoff's blocks until they are pulled or its
+        lease expires)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if await self.is_idle():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -14,6 +14,9 @@ class PrefillServer(ReplicaShell):
 
     def __init__(self, settings: ReplicaSettings) -> None:
         transfer = served_transfer_settings(settings.require_transfer())
+        # Its handoffs' KV lives until pulled or until their lease ends: a stopping replica
+        # keeps serving those pulls as long.
+        self.drain_timeout_s = transfer.lease_seconds
         self._worker = PrefillWorker(settings.engine.resolve(), transfer)
         self.start_engine(self._worker, settings.status)
         self._window = PrefillWindow(settings.window_s, settings.percentile)

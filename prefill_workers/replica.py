@@ -87,6 +87,8 @@ class ReplicaShell:
     pool: ClassVar[str]
     _engine_owner: ServedEngine
     _status: LoadSink | None = None
+    # How long a stopping replica waits for its engine's KV to be freed (0: it does not wait).
+    drain_timeout_s: float = 0.0
 
     @property
     def num_pending_prefill_tokens(self) -> int:
@@ -141,7 +143,22 @@ class ReplicaShell:
     async def abort(self, request_id: str) -> None:
         await self._engine_owner.abort(request_id)
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve's graceful shutdown, once this replica's calls have ended (Serve stopped routing
+        to it and waited for them): a replica whose engine may still hold KV for others (a
+        prefill replica's handoffs, until the decode side pulls them or their lease ends) waits
+        up to `drain_timeout_s` for it to be freed, then stops its engine."""
         owner = getattr(self, "_engine_owner", None)
-        if owner is not None:
+        if owner is None:
+            return
+        try:
+            if self.drain_timeout_s > 0 and not await owner.wait_idle(self.drain_timeout_s):
+                logger.warning(
+                    "%s: KV still held after %.0f s of draining; stopping anyway",
+                    owner.worker_id,
+                    self.drain_timeout_s,
+                )
+        except Exception as exc:  # a dead engine has nothing left to drain
+            logger.warning("%s: draining failed (%s); stopping", owner.worker_id, exc)
+        finally:
             owner.shutdown()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,9 +45,4 @@ async def run_pd(
 
 async def wait_idle(*workers: PrefillWorker | DecodeWorker, timeout: float = 30.0) -> bool:
     """True once every worker's engine holds no KV block (frees can lag a step or a lease)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        states = [await w.is_idle() for w in workers]
-        if all(states) or time.monotonic() > deadline:
-            return all(states)
-        await asyncio.sleep(0.2)
+    return all(await asyncio.gather(*(w.wait_idle(timeout) for w in workers)))

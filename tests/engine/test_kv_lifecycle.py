@@ -174,3 +174,23 @@ async def test_layout_mismatch_is_refused_before_transfer(
         if not decoded:
             await decode.release(result.handoff)
     assert await wait_idle(prefill, decode, timeout=10)
+
+
+async def test_a_stopping_prefill_replica_waits_until_its_handoff_is_pulled(
+    pd_case: tuple[str, str, Pair],
+) -> None:
+    """What a prefill replica's graceful shutdown waits on (ReplicaShell.__del__): its engine
+    holds a handoff's KV until the decode side pulls it; the wait ends then, not before, and a
+    wait nobody ends gives up at its bound."""
+    _, _, (prefill, decode) = pd_case
+    request = make_request((21, 22, 23, 24, 25), make_greedy(max_tokens=4))
+    result = await prefill.prefill(request)
+    assert not await prefill.is_idle()  # the handoff's blocks
+    assert await prefill.wait_idle(0.5) is False  # a bound nobody meets ends the wait
+    drain = asyncio.ensure_future(prefill.wait_idle(60))
+    await asyncio.sleep(1.0)
+    assert not drain.done()
+    tokens = [t async for event in decode.decode(request, result.handoff) for t in event.token_ids]
+    assert len(tokens) == 3  # after the prefill's first token
+    assert await asyncio.wait_for(drain, 30) is True
+    assert await wait_idle(prefill, decode, timeout=10)

@@ -10,7 +10,13 @@ import yaml
 from pydantic import ValidationError
 
 from control.keys import REDIS_URL_ENV
-from deploy.app import DEPLOYMENT_NAMES, build_app, deployment_options, with_env_redis_url
+from deploy.app import (
+    DEPLOYMENT_NAMES,
+    build_app,
+    deployment_options,
+    graceful_shutdown_s,
+    with_env_redis_url,
+)
 from deploy.config import AppConfig, load_app_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -108,6 +114,21 @@ def test_cluster_launcher_runs_every_ray_process_with_token_auth_and_no_open_das
     head = next(c for c in commands if "ray start --head" in c)
     assert "--dashboard-host=127.0.0.1" in head
     assert all("0.0.0.0" not in c for c in ray_commands)
+
+
+def test_a_stopping_replica_drains_for_its_leases_or_its_longest_stream() -> None:
+    config = AppConfig.model_validate(
+        {
+            "kv_transfer": {"lease_seconds": 45},
+            "router": {"max_tokens_limit": 1000},
+            "autoscaling": {"tpot_p95_s": 0.3},
+        }
+    )
+    assert graceful_shutdown_s(config, "prefill") == 45 + 20
+    assert graceful_shutdown_s(config, "decode") == pytest.approx(300)
+    assert deployment_options(config, "decode")["graceful_shutdown_timeout_s"] == pytest.approx(300)
+    short = AppConfig.model_validate({"router": {"max_tokens_limit": 10, "default_max_tokens": 10}})
+    assert graceful_shutdown_s(short, "engine") == 20  # never under Serve's usual wait
 
 
 def test_colocated_builds_one_engine_pool() -> None:
