@@ -104,11 +104,13 @@ def graceful_shutdown_s(config: AppConfig, pool: PoolName) -> float:
     before killing it; what is still running then moves to another replica (router/lifecycle.py).
     A prefill replica's calls end at the first token, but its handoffs' KV lives until pulled
     or until the lease ends: the lease, plus the least wait. A decode or colocated replica's
-    stream may run to the largest max_tokens at the TPOT target."""
+    stream may run to the largest max_tokens at the TPOT target, and no request outlives the
+    router's `request_timeout_s`."""
     if pool == "prefill":
         return config.kv_transfer.lease_seconds + MIN_GRACEFUL_SHUTDOWN_S
-    longest_stream_s = config.router.max_tokens_limit * config.autoscaling.tpot_p95_s
-    return max(MIN_GRACEFUL_SHUTDOWN_S, longest_stream_s)
+    router = config.router
+    longest_stream_s = router.max_tokens_limit * config.autoscaling.tpot_p95_s
+    return max(MIN_GRACEFUL_SHUTDOWN_S, min(longest_stream_s, router.request_timeout_s))
 
 
 def _replica_count(config: AppConfig, pool: PoolName) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.messages import GenerationRequest, ReplicaLoad, TokenEvent
@@ -60,6 +60,18 @@ async def kv_cache_is_empty(engine: Any) -> bool:
     """True when no request holds a KV block (the scheduler refuses a prefix-cache reset while
     any block is in use, so this is a strict, fresh check, not a sampled statistic)."""
     return bool(await engine.reset_prefix_cache())
+
+
+async def _wait_until(
+    check: Callable[[], Awaitable[bool]], timeout_s: float, poll_s: float
+) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if await check():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)
 
 
 class ServedEngine:
@@ -140,17 +152,20 @@ class ServedEngine:
         """True when the engine holds no KV block (strict, fresh; see kv_cache_is_empty)."""
         return await kv_cache_is_empty(self.engine)
 
+    async def is_drained(self) -> bool:
+        """True when nothing still depends on this engine's process staying up: here, that it
+        holds no KV block (a producer adds the handoffs it stored elsewhere)."""
+        return await self.is_idle()
+
     async def wait_idle(self, timeout_s: float, poll_s: float = 0.2) -> bool:
         """True once the engine holds no KV block; False when `timeout_s` passed first (frees
         lag a step, and a prefill engine holds a handoff's blocks until they are pulled or its
         lease expires)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if await self.is_idle():
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(poll_s)
+        return await _wait_until(self.is_idle, timeout_s, poll_s)
+
+    async def wait_drained(self, timeout_s: float, poll_s: float = 0.2) -> bool:
+        """`wait_idle` for `is_drained`: what a stopping replica waits for."""
+        return await _wait_until(self.is_drained, timeout_s, poll_s)
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -112,6 +112,12 @@ class KVBackend(ABC):
         The default does nothing (the connector frees an aborted request's KV itself)."""
         return None
 
+    async def num_stored_handoffs(self, producer_id: str) -> int:
+        """Handoffs of `producer_id` whose KV lives outside its engine's blocks, not yet pulled
+        or expired (what its process must outlive). The default: none (the KV stays in the
+        engine's blocks until pulled, which the engine's idle check sees)."""
+        return 0
+
     @abstractmethod
     def parse_producer_output(self, params: dict[str, Any]) -> KVPull: ...
 

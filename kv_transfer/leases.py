@@ -117,9 +117,12 @@ class LeaseTable(Generic[T]):
     def num_tombstones(self) -> int:
         return len(self._tombstones) + len(self._owner_tombstones)
 
-    def num_live(self) -> int:
+    def num_live(self, producer: str | None = None) -> int:
+        """Live leases, or those of keys under `producer` ("<producer>/...") only."""
         self.sweep_expired()
-        return len(self._leases)
+        if producer is None:
+            return len(self._leases)
+        return sum(1 for key in self._leases if key.startswith(f"{producer}/"))
 
     def live_keys(self) -> list[str]:
         self.sweep_expired()

@@ -54,6 +54,17 @@ class RayBackend(KVBackend):
         except Exception:  # the abort goes on; an unreleased lease expires after its lease
             logger.exception("ray backend: releasing the leases of %s failed", owner)
 
+    async def num_stored_handoffs(self, producer_id: str) -> int:
+        # The layers are objects the producer's engine process put in Ray's object store: they
+        # are lost with that process, so a stopping producer waits for its leases to end.
+        from kv_transfer.ray_lease import get_lease_registry
+
+        registry = get_lease_registry(self.settings.lease_registry, self.settings.ray_namespace)
+        live = await asyncio.wait_for(
+            registry.num_live.remote(producer_id), REGISTRY_CALL_TIMEOUT_S
+        )
+        return int(live)
+
     def parse_producer_output(self, params: dict[str, Any]) -> RayPull:
         if "ray_kv" not in params:
             raise ValueError(

@@ -73,9 +73,9 @@ class KVLeaseRegistry:
         with self._lock:
             return len(self._table.sweep_expired())
 
-    def num_live(self) -> int:
+    def num_live(self, producer: str | None = None) -> int:
         with self._lock:
-            return self._table.num_live()
+            return self._table.num_live(producer)
 
     def live_keys(self) -> list[str]:
         """Keys of the live leases (for leak reports and `pdserve status`)."""

@@ -152,7 +152,7 @@ class ReplicaShell:
         if owner is None:
             return
         try:
-            if self.drain_timeout_s > 0 and not await owner.wait_idle(self.drain_timeout_s):
+            if self.drain_timeout_s > 0 and not await owner.wait_drained(self.drain_timeout_s):
                 logger.warning(
                     "%s: KV still held after %.0f s of draining; stopping anyway",
                     owner.worker_id,

@@ -93,3 +93,8 @@ class PrefillWorker(KVEndpoint):
         await super().abort(request_id)
         if attempt is not None:
             await self.backend.release_abandoned(self.worker_id, attempt)
+
+    async def is_drained(self) -> bool:
+        """No KV block held and no handoff stored outside the engine (the `ray` backend's
+        objects live as long as this process) still waiting to be pulled."""
+        return await self.is_idle() and await self.backend.num_stored_handoffs(self.worker_id) == 0

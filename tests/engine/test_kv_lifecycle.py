@@ -179,18 +179,22 @@ async def test_layout_mismatch_is_refused_before_transfer(
 async def test_a_stopping_prefill_replica_waits_until_its_handoff_is_pulled(
     pd_case: tuple[str, str, Pair],
 ) -> None:
-    """What a prefill replica's graceful shutdown waits on (ReplicaShell.__del__): its engine
-    holds a handoff's KV until the decode side pulls it; the wait ends then, not before, and a
-    wait nobody ends gives up at its bound."""
-    _, _, (prefill, decode) = pd_case
+    """What a prefill replica's graceful shutdown waits on (ReplicaShell.__del__): its handoff's
+    KV lives on in its process (nixl: the engine's blocks; ray: objects its engine put in Ray's
+    store) until the decode side pulls it; the wait ends then, not before, and a wait nobody
+    ends gives up at its bound."""
+    backend, _, (prefill, decode) = pd_case
     request = make_request((21, 22, 23, 24, 25), make_greedy(max_tokens=4))
     result = await prefill.prefill(request)
-    assert not await prefill.is_idle()  # the handoff's blocks
-    assert await prefill.wait_idle(0.5) is False  # a bound nobody meets ends the wait
-    drain = asyncio.ensure_future(prefill.wait_idle(60))
+    assert not await prefill.is_drained()
+    if backend == "ray":
+        assert await live_leases(prefill, timeout=0) == 1
+    assert await prefill.wait_drained(0.5) is False  # a bound nobody meets ends the wait
+    drain = asyncio.ensure_future(prefill.wait_drained(60))
     await asyncio.sleep(1.0)
     assert not drain.done()
     tokens = [t async for event in decode.decode(request, result.handoff) for t in event.token_ids]
     assert len(tokens) == 3  # after the prefill's first token
     assert await asyncio.wait_for(drain, 30) is True
     assert await wait_idle(prefill, decode, timeout=10)
+    assert await live_leases(prefill) == 0

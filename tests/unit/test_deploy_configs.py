@@ -127,6 +127,10 @@ def test_a_stopping_replica_drains_for_its_leases_or_its_longest_stream() -> Non
     assert graceful_shutdown_s(config, "prefill") == 45 + 20
     assert graceful_shutdown_s(config, "decode") == pytest.approx(300)
     assert deployment_options(config, "decode")["graceful_shutdown_timeout_s"] == pytest.approx(300)
+    loose = config.model_copy(
+        update={"autoscaling": config.autoscaling.model_copy(update={"tpot_p95_s": 5.0})}
+    )
+    assert graceful_shutdown_s(loose, "decode") == 600  # router.request_timeout_s
     short = AppConfig.model_validate({"router": {"max_tokens_limit": 10, "default_max_tokens": 10}})
     assert graceful_shutdown_s(short, "engine") == 20  # never under Serve's usual wait
 

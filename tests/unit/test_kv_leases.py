@@ -106,3 +106,17 @@ def test_release_by_owner_drops_its_leases_and_refuses_its_late_registrations() 
     table.sweep_expired()
     assert table.num_tombstones == 0
     assert table.register("P/r1:a/n6", "much later", lease_seconds=60.0) > clock.now
+
+
+def test_live_leases_of_one_producer() -> None:
+    """What a stopping producer waits on: its own live leases, not a namesake's."""
+    table, clock = make_table()
+    table.register("prefill-a/req-1/n1", "kv", lease_seconds=10)
+    table.register("prefill-a/req-2/n2", "kv", lease_seconds=1)
+    table.register("prefill-ab/req-1/n3", "kv", lease_seconds=10)
+    assert (table.num_live("prefill-a"), table.num_live("prefill-ab")) == (2, 1)
+    assert table.num_live("prefill") == 0
+    clock.now += 2
+    assert table.num_live("prefill-a") == 1
+    table.release("prefill-a/req-1/n1")
+    assert (table.num_live("prefill-a"), table.num_live()) == (0, 1)
