@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from engine.messages import GenerationRequest, TokenEvent, TokenLogprobs
+from engine.prompts import NoChatTemplate, encode_chat, encode_text
 from router.admission import (
     AdmissionLimits,
     AdmissionState,
@@ -201,22 +202,18 @@ class RouterService:
         ]
 
     def _tokenize(self, validated: ValidatedRequest) -> list[int]:
+        # `add_special_tokens` unset: vLLM's default for each kind (prompts yes, chat no).
         special = validated.add_special_tokens
         if validated.messages is None:
             assert validated.prompt is not None
-            return list(
-                self.tokenizer(validated.prompt, add_special_tokens=special is not False)[
-                    "input_ids"
-                ]
+            return encode_text(
+                self.tokenizer, validated.prompt, add_special_tokens=special is not False
             )
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequest("messages", "this model has no chat template; send a prompt")
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in validated.messages],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        return list(self.tokenizer(text, add_special_tokens=special is True)["input_ids"])
+        messages = [{"role": m.role, "content": m.content} for m in validated.messages]
+        try:
+            return encode_chat(self.tokenizer, messages, add_special_tokens=special is True)
+        except NoChatTemplate as exc:
+            raise InvalidRequest("messages", str(exc)) from None
 
     async def stream(self, prepared: PreparedRequest) -> AsyncIterator[StreamChunk]:
         """The request's chunks, once its API key's limits (if any) and admission let it in;
