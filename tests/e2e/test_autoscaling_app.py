@@ -1,8 +1,9 @@
 """Per-pool autoscaling on a real Serve app (tiny model, CPU engines): a burst against a low
 TTFT SLO scales prefill 1 -> 2 while decode stays put, then back down; `pdserve scale decode 2`
 pins decode within 30 s and `auto` releases it; `pdserve slo set` changes the next decisions
-without a redeploy. The app is deployed for this module only, alone on the package's Serve
-proxies (no other engines compete for the two cores)."""
+without a redeploy; each pool pinned from 2 down to 1 under steady load loses no request. The
+app is deployed for this module only, alone on the package's Serve proxies (no other engines
+compete for the two cores)."""
 
 from __future__ import annotations
 
@@ -200,3 +201,91 @@ def test_slo_set_changes_the_next_decisions(
     after = [d for d in _decisions(url, "prefill") if d.at >= since]
     assert all(d.target_replicas == 1 for d in after)
     assert _running("Prefill") == 1
+
+
+class SteadyLoad:
+    """`num_streams` greedy streams over `prompts`, one after another from a thread until
+    `stop()`: every completion is kept with its prompt, every failure as it came."""
+
+    def __init__(self, app: ServedApp, prompts: list[str], num_streams: int) -> None:
+        self._app = app
+        self._prompts = prompts
+        self._num_streams = num_streams
+        self._stopping = threading.Event()
+        self.done: list[tuple[str, list[int]]] = []
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def __enter__(self) -> SteadyLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=300)
+
+    async def _run(self) -> None:
+        async def stream(client: AsyncPDServeClient, i: int) -> None:
+            n = i
+            while not self._stopping.is_set():
+                prompt = self._prompts[n % len(self._prompts)]
+                n += self._num_streams
+                try:
+                    tokens = [
+                        t
+                        async for chunk in client.generate(prompt, **STEADY_OPTIONS)
+                        for t in chunk.token_ids
+                    ]
+                except Exception as exc:  # kept, and the stream goes on: every one counts
+                    self.errors.append(exc)
+                    continue
+                self.done.append((prompt, tokens))
+
+        async with self._app.aclient() as client:
+            await asyncio.gather(*(stream(client, i) for i in range(self._num_streams)))
+
+
+STEADY_OPTIONS: dict[str, object] = {"max_tokens": 48, "ignore_eos": True}  # greedy
+
+
+def test_each_pool_scaled_down_under_steady_load_loses_nothing(
+    autoscale_app: ServedApp, redis_server: RedisServer
+) -> None:
+    """Runs after the SLO test (TTFT 60 s: load alone never scales prefill up). Both pools are
+    pinned to 2 replicas, then under 4 steady greedy streams decode is pinned back to 1, then
+    prefill: Serve drains the replica it removes (deploy/app.py graceful_shutdown_s; a prefill
+    replica keeps its handoffs' KV until pulled), and what a removal still cuts moves
+    (router/lifecycle.py). Every request completes with the tokens it had before."""
+    url = redis_server.url
+    prompts = [f"steady stream {i}: the river ran on and on. " * 3 for i in range(6)]
+    with autoscale_app.client() as client:
+        reference = {
+            p: [t for c in client.generate(p, **STEADY_OPTIONS) for t in c.token_ids]  # type: ignore[arg-type]
+            for p in prompts
+        }
+    _cli(url, "scale", "prefill", "2")
+    _cli(url, "scale", "decode", "2")
+    _wait(
+        "two replicas in each pool",
+        lambda: (_running("Prefill"), _running("Decode")) == (2, 2),
+        timeout_s=600,
+    )
+    with SteadyLoad(autoscale_app, prompts, num_streams=4) as load:
+        _wait("requests on two replicas each", lambda: len(load.done) >= 8, timeout_s=120)
+        marks = [len(load.done)]
+        for pool, deployment in (("decode", "Decode"), ("prefill", "Prefill")):
+            _cli(url, "scale", pool, "1")
+            took = _wait(
+                f"{pool} down to 1",
+                lambda d=deployment: sum(_replicas(d).values()) == 1,  # type: ignore[misc]
+                timeout_s=300,
+            )
+            print(f"\n{pool} 2 -> 1 under load took {took:.1f} s")
+            marks.append(len(load.done))
+        _wait("requests after both", lambda: len(load.done) >= marks[-1] + 4, timeout_s=120)
+    _cli(url, "scale", "prefill", "auto")
+    _cli(url, "scale", "decode", "auto")
+    assert load.errors == [], load.errors[:3]
+    wrong = [(p[:20], len(t)) for p, t in load.done if t != reference[p]]
+    assert wrong == [], wrong
+    print(f"{len(load.done)} requests; done before, after decode, after prefill: {marks}")
