@@ -18,7 +18,7 @@ from engine.messages import (
     KVTransferError,
     TokenEvent,
 )
-from engine.sampling import logprobs_of, to_sampling_params
+from engine.sampling import logprobs_of, sampling_params_for
 from kv_transfer.endpoint import KVEndpoint
 
 
@@ -49,7 +49,8 @@ class DecodeWorker(KVEndpoint):
         # Refused before any transfer; the producer's lease stays with the caller to release
         # through a compatible decode worker, or to expire.
         self.check_handoff(handoff)
-        sampling = to_sampling_params(
+        sampling = sampling_params_for(
+            self.engine,
             request.params,
             kv_transfer_params=self.backend.consumer_request_params(handoff.pull),
             served=True,

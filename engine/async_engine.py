@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.messages import GenerationRequest, ReplicaLoad, TokenEvent
-from engine.sampling import logprobs_of, to_sampling_params
+from engine.sampling import logprobs_of, sampling_params_for
 from engine.settings import EngineSettings
 from engine.stats import EngineStatsRecorder, engine_stat_loggers
 
@@ -114,7 +114,7 @@ class ServedEngine:
         topology's call, and a decode engine's when the router has it prefill for itself. The
         first event carries the first token and its prefill timings."""
         request = request.with_pinned_seed()
-        sampling = to_sampling_params(request.params, served=True)
+        sampling = sampling_params_for(self.engine, request.params, served=True)
         started = time.perf_counter()
         first_sent = False
         async for output in self.engine.generate(

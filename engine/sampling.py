@@ -1,4 +1,5 @@
-"""GenerationParams -> vLLM SamplingParams: the one place request parameters meet vLLM."""
+"""GenerationParams -> vLLM SamplingParams (or a sim engine's own record of the same fields): the
+one place request parameters meet the engine."""
 
 from __future__ import annotations
 
@@ -8,37 +9,55 @@ from engine.messages import TokenLogprobs, token_logprobs
 from engine.params import GenerationParams
 
 
-def to_sampling_params(
+def sampling_fields(
     params: GenerationParams,
     *,
     max_tokens: int | None = None,
     kv_transfer_params: dict[str, Any] | None = None,
     served: bool = False,
-) -> Any:
-    """`served`: for a worker streaming to the router, which detokenizes itself: each output
-    holds only the new token ids (not all so far) and the engine decodes no text."""
+) -> dict[str, Any]:
+    """The keyword arguments of vLLM's SamplingParams for `params` (`output_kind` by name).
+    `served`: for a worker streaming to the router, which detokenizes itself: each output holds
+    only the new token ids (not all so far) and the engine decodes no text."""
+    extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return {
+        "max_tokens": params.max_tokens if max_tokens is None else max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "seed": params.seed,
+        "ignore_eos": params.ignore_eos,
+        "min_p": params.min_p,
+        "min_tokens": params.min_tokens,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "stop_token_ids": list(params.stop_token_ids) or None,
+        "logprobs": params.logprobs,
+        "extra_args": extra_args,
+        "output_kind": "DELTA" if served else "CUMULATIVE",
+        "detokenize": not served,
+    }
+
+
+def to_sampling_params(params: GenerationParams, **options: Any) -> Any:
+    """vLLM's SamplingParams for `params` (`sampling_fields`' options)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
-    return SamplingParams(
-        max_tokens=params.max_tokens if max_tokens is None else max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k if params.top_k > 0 else -1,
-        seed=params.seed,
-        ignore_eos=params.ignore_eos,
-        min_p=params.min_p,
-        min_tokens=params.min_tokens,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
-        stop_token_ids=list(params.stop_token_ids) or None,
-        logprobs=params.logprobs,
-        extra_args=extra_args,
-        output_kind=RequestOutputKind.DELTA if served else RequestOutputKind.CUMULATIVE,
-        detokenize=not served,
-    )
+    fields = sampling_fields(params, **options)
+    fields["output_kind"] = RequestOutputKind[fields["output_kind"]]
+    return SamplingParams(**fields)
+
+
+def sampling_params_for(engine: Any, params: GenerationParams, **options: Any) -> Any:
+    """What `engine.generate` takes for `params`: vLLM's SamplingParams, or, for an engine that
+    makes its own (`make_sampling_params`, the sim engine: a sim replica never imports vLLM),
+    that, from the same fields."""
+    make = getattr(engine, "make_sampling_params", None)
+    if make is not None:
+        return make(**sampling_fields(params, **options))
+    return to_sampling_params(params, **options)
 
 
 def logprobs_of(completion: Any, params: GenerationParams) -> tuple[TokenLogprobs, ...] | None:

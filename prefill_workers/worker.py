@@ -13,7 +13,7 @@ import uuid
 
 from engine.async_engine import engine_times
 from engine.messages import GenerationRequest, KVHandoff, KVTransferError, PrefillResult
-from engine.sampling import logprobs_of, to_sampling_params
+from engine.sampling import logprobs_of, sampling_params_for
 from engine.settings import EngineSettings
 from kv_transfer.base import TransferSettings
 from kv_transfer.endpoint import KVEndpoint
@@ -42,7 +42,8 @@ class PrefillWorker(KVEndpoint):
                 f"{self.settings.max_model_len}"
             )
         attempt = f"{request.request_id}:{uuid.uuid4().hex[:8]}"
-        sampling = to_sampling_params(
+        sampling = sampling_params_for(
+            self.engine,
             request.params,
             max_tokens=1,
             kv_transfer_params=self.backend.producer_request_params(self.worker_id, attempt),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,6 +32,22 @@ from engine.stats import EngineStatsRecorder
 
 # The longest the idle loop sleeps before looking again (new requests wake it at once).
 IDLE_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class SimSamplingParams:
+    """What a sim engine's `generate` takes: the fields of vLLM's SamplingParams it reads
+    (engine/sampling.py makes them for any engine; the others do not change a sim step)."""
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    seed: int | None = None
+    output_kind: str = "CUMULATIVE"  # vLLM's RequestOutputKind, by name
+    extra_args: dict[str, Any] | None = None
+
+    @classmethod
+    def from_fields(cls, **fields: Any) -> SimSamplingParams:
+        return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls) if f.name in fields})
 
 
 @dataclass
@@ -73,6 +90,9 @@ class _Stream:
 
 
 class SimAsyncLLM:
+    # engine/sampling.py builds this engine's sampling params with it, not vLLM's.
+    make_sampling_params = staticmethod(SimSamplingParams.from_fields)
+
     def __init__(
         self,
         settings: EngineSettings,
@@ -104,7 +124,7 @@ class SimAsyncLLM:
         self._loop: asyncio.Task[None] | None = None
 
     async def generate(
-        self, prompt: dict[str, Any], sampling_params: Any, request_id: str
+        self, prompt: dict[str, Any], sampling_params: SimSamplingParams, request_id: str
     ) -> AsyncIterator[SimRequestOutput]:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id} is already running")
@@ -159,9 +179,11 @@ class SimAsyncLLM:
             self._loop.cancel()
             self._loop = None
 
-    def _stream_for(self, prompt: dict[str, Any], sampling: Any, request_id: str) -> _Stream:
+    def _stream_for(
+        self, prompt: dict[str, Any], sampling: SimSamplingParams, request_id: str
+    ) -> _Stream:
         prompt_ids = tuple(int(t) for t in prompt["prompt_token_ids"])
-        kv = (getattr(sampling, "extra_args", None) or {}).get("kv_transfer_params") or {}
+        kv = (sampling.extra_args or {}).get("kv_transfer_params") or {}
         transfer_s = None
         if kv.get("do_remote_prefill"):
             num_bytes = int(kv["sim_kv"]["num_bytes"])
@@ -175,7 +197,7 @@ class SimAsyncLLM:
             token_seed=TokenSource.request_seed(prompt_ids, seed),
             kv_transfer_s=transfer_s,
         )
-        kind = getattr(getattr(sampling, "output_kind", None), "name", "CUMULATIVE")
+        kind = sampling.output_kind
         producer = kv.get("sim_producer") if kv.get("do_remote_decode") else None
         return _Stream(request, kind, producer, SimMetrics(queued_ts=time.monotonic()))
 
@@ -273,7 +295,6 @@ class SimAsyncLLM:
 def start_sim_engine(
     settings: EngineSettings,
     recorder: EngineStatsRecorder | None = None,
-    import_vllm: bool = True,
 ) -> tuple[SimAsyncLLM, float]:
     """A SimAsyncLLM for `settings` (whose `sim` names the profile), after the configured start
     delay (model loading, modelled), and the seconds it took."""
@@ -281,11 +302,6 @@ def start_sim_engine(
     if spec is None:
         raise ValueError("start_sim_engine needs settings with a sim spec")
     started = time.perf_counter()
-    if import_vllm:
-        # The workers build vLLM's SamplingParams per request: vLLM's import (~9 s and ~0.5 GB
-        # here, torch included) is paid at start, not in the first request's TTFT.
-        import vllm.sampling_params  # noqa: F401
-
     profile = load_profile(spec.profile)
     link = load_link(spec.link or profile.default_link)
     engine = SimAsyncLLM(settings, profile, link, TokenSource.for_model(settings.model), recorder)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -131,3 +132,34 @@ async def test_concurrent_streams_batch_on_the_decode_engine(
     assert lone * 1.1 < min(tpots) and max(tpots) < batched * 2, tpots
     idle = await app.wait_engines_idle()
     assert all(idle.values()), idle
+
+
+def test_sim_replicas_load_neither_vllm_nor_torch(sim_apps: dict[str, ServedApp]) -> None:
+    """A sim replica's process, after serving: no vLLM module imported and no libtorch mapped
+    (its requests' sampling params are the sim engine's own, engine/sampling.py), so a sim
+    replica costs tens of MiB, not vLLM's ~0.5 GB."""
+    import ray
+
+    for app in sim_apps.values():
+        for deployment in app.engine_deployments:
+            prefix = f"SERVE_REPLICA::{app.name}#{deployment}#"
+            names = [
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(prefix)
+            ]
+            assert names, prefix
+            for name in names:
+                actor = ray.get_actor(name, namespace="serve")
+                imported, pid = ray.get(
+                    actor.__ray_call__.remote(
+                        lambda _: (
+                            sorted(m for m in __import__("sys").modules if m.startswith("vllm")),
+                            __import__("os").getpid(),
+                        )
+                    ),
+                    timeout=30,
+                )
+                assert imported == [], (name, imported[:5])
+                maps = Path(f"/proc/{pid}/maps").read_text()
+                assert "libtorch" not in maps, name

@@ -6,7 +6,6 @@ import asyncio
 import enum
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -46,12 +45,13 @@ def make_engine(
 
 
 def sampling(max_tokens: int, kind: OutputKind, kv: dict[str, Any] | None = None) -> Any:
-    return SimpleNamespace(
+    return SimAsyncLLM.make_sampling_params(
         max_tokens=max_tokens,
         temperature=0.0,
         seed=None,
-        output_kind=kind,
+        output_kind=kind.name,
         extra_args={"kv_transfer_params": kv} if kv else None,
+        top_p=1.0,  # a field a sim step does not read
     )
 
 
@@ -163,11 +163,9 @@ def test_start_takes_the_configured_delay(tmp_path: Path) -> None:
         '{"added_tokens": [{"id": 0}], "model": {"vocab": {"a": 0, "b": 1, "c": 2}}}'
     )
     settings = EngineSettings(model=tmp_path, sim=SimSpec("zero", start_delay_s=0.2))
-    engine, seconds = start_sim_engine(settings, import_vllm=False)
+    engine, seconds = start_sim_engine(settings)
     assert 0.2 <= seconds < 0.5
     assert engine.scheduler.tokens.token_ids == (1, 2)
     assert engine.link.name == "instant"
     with pytest.raises(ValueError, match="unknown sim link"):
-        start_sim_engine(
-            EngineSettings(model=tmp_path, sim=SimSpec("zero", "carrier-pigeon")), import_vllm=False
-        )
+        start_sim_engine(EngineSettings(model=tmp_path, sim=SimSpec("zero", "carrier-pigeon")))
