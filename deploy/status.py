@@ -58,16 +58,27 @@ async def _from_redis(redis_url: str, app: str) -> tuple[dict[str, list[float]],
 
 def format_replicas(replicas: Sequence[ReplicaLoad]) -> list[str]:
     lines = [
-        f"  {'replica':<28}{'pending tok':>12}{'running':>9}{'waiting':>9}{'KV used':>9}"
-        f"{'KV loads':>10}{'failed':>8}{'recomputed tok':>16}"
+        f"  {'replica':<28}{'engine':>8}{'pending tok':>12}{'running':>9}{'waiting':>9}"
+        f"{'KV used':>9}{'KV loads':>10}{'failed':>8}{'recomputed tok':>16}"
     ]
     for r in replicas:
         lines.append(
-            f"  {r.replica_id:<28}{r.num_pending_prefill_tokens:>12}{r.num_running:>9}"
+            f"  {r.replica_id:<28}{'ok' if r.is_healthy else 'DEAD':>8}"
+            f"{r.num_pending_prefill_tokens:>12}{r.num_running:>9}"
             f"{r.num_waiting:>9}{r.kv_usage:>8.0%}{r.num_kv_loads:>10}"
             f"{r.num_kv_load_failures:>8}{r.num_kv_recomputed_tokens:>16}"
         )
     return lines if replicas else ["  (no replica has reported yet)"]
+
+
+def health_warnings(replicas: Sequence[ReplicaLoad]) -> list[str]:
+    """One line per replica whose engine died: the routers skip it, and Serve replaces it once
+    its health checks fail (3 checks, 10 s apart)."""
+    return [
+        f"WARNING: {r.replica_id}'s engine died; the routers skip it until Serve replaces it"
+        for r in replicas
+        if not r.is_healthy
+    ]
 
 
 def kv_load_warnings(replicas: Sequence[ReplicaLoad]) -> list[str]:
@@ -220,7 +231,7 @@ def format_status(report: StatusReport) -> list[str]:
         for name, deployment in report.serve.items():
             states = ", ".join(f"{s}: {n}" for s, n in sorted(deployment.replica_states.items()))
             lines.append(f"  {name:<12}{states}   {deployment.status}")
-    lines += kv_load_warnings(report.replicas)
+    lines += health_warnings(report.replicas) + kv_load_warnings(report.replicas)
     lines.append("autoscaling (prefill on TTFT, decode on TPOT)")
     lines += format_pools(report.pools)
     lines.append("replicas (last report)")
@@ -260,7 +271,7 @@ def status_json(report: StatusReport) -> dict[str, object]:
         else {name: asdict(d) for name, d in report.serve.items()},
         "pools": [asdict(r) for r in report.pools],
         "replicas": [asdict(r) for r in report.replicas],
-        "warnings": kv_load_warnings(report.replicas),
+        "warnings": health_warnings(report.replicas) + kv_load_warnings(report.replicas),
         "decisions": [asdict(d) for d in report.decisions],
         "latest": [asdict(d) for d in report.latest],
         "latencies": latencies,

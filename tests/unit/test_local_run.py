@@ -84,14 +84,23 @@ def test_format_latencies_marks_empty_metrics() -> None:
     assert tpot.split()[1:] == ["0", "-", "-", "-"]
 
 
-def test_status_warns_only_when_a_kv_load_failed() -> None:
-    from deploy.status import kv_load_warnings
+def test_status_warns_of_failed_kv_loads_and_dead_engines() -> None:
+    from dataclasses import replace
+
+    from deploy.status import format_replicas, health_warnings, kv_load_warnings
     from engine.messages import ReplicaLoad
 
     def load(replica: str, loads: int, failures: int, tokens: int) -> ReplicaLoad:
         return ReplicaLoad(replica, "decode", 0, 0, 0, 0.0, 10, 10, 1.0, loads, failures, tokens)
 
     assert kv_load_warnings([load("decode-a", 5, 0, 0)]) == []
+    assert health_warnings([load("decode-a", 5, 0, 0)]) == []
+    dead = replace(load("decode-b", 0, 0, 0), is_healthy=False)
+    assert health_warnings([load("decode-a", 5, 0, 0), dead]) == [
+        "WARNING: decode-b's engine died; the routers skip it until Serve replaces it"
+    ]
+    table = format_replicas([load("decode-a", 5, 0, 0), dead])
+    assert [line.split()[1] for line in table[1:]] == ["ok", "DEAD"]
     warning = kv_load_warnings([load("decode-a", 5, 1, 99), load("decode-b", 3, 2, 40)])
     assert warning == [
         "WARNING: 3 of 8 KV loads failed; decode recomputed 139 prompt tokens (see "
