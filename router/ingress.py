@@ -79,11 +79,16 @@ def _ready_replicas(app_name: str) -> dict[str, int]:
     return ready
 
 
+# A request's latency samples reach Redis within this, or are dropped (a silent control plane
+# must not pile up writes in the router).
+SAMPLE_TIMEOUT_S = 1.0
+
+
 async def _record_samples(store: ControlStore, values: dict[str, float | None]) -> None:
     try:
         for metric, value in values.items():
             if value is not None:
-                await store.record_sample(metric, value)
+                await asyncio.wait_for(store.record_sample(metric, value), SAMPLE_TIMEOUT_S)
     except Exception as exc:  # status percentiles are best effort; serving goes on
         logger.warning("recording latency samples in Redis failed: %s", exc)
 

@@ -9,7 +9,8 @@ router replica counts its own, so the limits hold per replica.
 
 A request past a limit raises KeyLimited, which the router answers like overload (HTTP 429,
 gRPC RESOURCE_EXHAUSTED) naming the key and the limit. A control plane that cannot be reached
-does not refuse requests: the limits are skipped and the failure logged (once a minute).
+does not refuse requests: the limits are skipped and the failure logged (once a minute); a
+request waits at most 100 ms for Redis, and none while a circuit breaker skips it.
 """
 
 from __future__ import annotations
@@ -23,10 +24,15 @@ from typing import Protocol
 
 from control.store import KEY_SLOT_IN_FLIGHT, KEY_SLOT_TAKEN, ControlStore
 from router.auth import KeyLimits
+from router.breaker import CircuitBreaker
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30.0
+# A request waits this long at most for its key's slot in Redis (then it is served unlimited);
+# a release or a lease refresh, off the request's path, this long.
+ACQUIRE_TIMEOUT_S = 0.1
+RELEASE_TIMEOUT_S = 1.0
 
 
 class KeyLimited(Exception):
@@ -76,23 +82,41 @@ class LocalKeyLimiter:
 
 
 class SharedKeyLimiter:
-    """All router replicas' counts, in the control plane's Redis."""
+    """All router replicas' counts, in the control plane's Redis. Each acquire waits at most
+    `timeout_s` (100 ms) for Redis, and after failures in a row a circuit breaker skips Redis
+    for a while (one trial call then decides): a silent or dead control plane costs a request
+    at most that, then nothing, and the limits are skipped meanwhile."""
 
-    def __init__(self, store: ControlStore, lease_s: float = DEFAULT_LEASE_S) -> None:
+    def __init__(
+        self,
+        store: ControlStore,
+        lease_s: float = DEFAULT_LEASE_S,
+        timeout_s: float = ACQUIRE_TIMEOUT_S,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
         self._store = store
         self._lease_s = lease_s
+        self._timeout_s = timeout_s
+        self.breaker = breaker or CircuitBreaker()
         self._held: dict[tuple[str, str], None] = {}  # (key name, request id), in order
         self._refresher: asyncio.Task[None] | None = None
         self._last_warning = 0.0
 
     async def acquire(self, name: str, limits: KeyLimits, request_id: str) -> None:
+        if not self.breaker.allow():
+            return  # the control plane failed lately: serve without limits until a trial
         try:
-            outcome = await self._store.acquire_key_slot(
-                name, request_id, limits.max_concurrent, limits.max_per_minute, self._lease_s
+            outcome = await asyncio.wait_for(
+                self._store.acquire_key_slot(
+                    name, request_id, limits.max_concurrent, limits.max_per_minute, self._lease_s
+                ),
+                self._timeout_s,
             )
-        except Exception as exc:  # the control plane is down: serve, and say so
-            self._warn(f"API key limits skipped, the control plane failed: {exc}")
+        except Exception as exc:  # the control plane is down or silent: serve, and say so
+            self.breaker.failed()
+            self._warn(f"API key limits skipped, the control plane failed: {exc!r}")
             return
+        self.breaker.succeeded()
         if outcome != KEY_SLOT_TAKEN:
             raise _refusal(name, limits, in_flight=outcome == KEY_SLOT_IN_FLIGHT)
         if limits.max_concurrent is not None:
@@ -105,7 +129,9 @@ class SharedKeyLimiter:
             return  # refused, or a key without a concurrency limit
         del self._held[(name, request_id)]
         try:
-            await self._store.release_key_slot(name, request_id)
+            await asyncio.wait_for(
+                self._store.release_key_slot(name, request_id), RELEASE_TIMEOUT_S
+            )
         except Exception as exc:  # its lease runs out instead
             self._warn(f"an API key slot was not released (its lease expires): {exc}")
 
@@ -119,7 +145,10 @@ class SharedKeyLimiter:
         while self._held:
             await asyncio.sleep(self._lease_s / 3)
             try:
-                await self._store.refresh_key_slots(list(self._held), self._lease_s)
+                await asyncio.wait_for(
+                    self._store.refresh_key_slots(list(self._held), self._lease_s),
+                    RELEASE_TIMEOUT_S,
+                )
             except Exception as exc:
                 self._warn(f"API key leases not refreshed: {exc}")
 

@@ -396,6 +396,51 @@ async def test_routing_lookups_stay_fast_while_redis_is_silent_or_gone(tmp_path:
         await store.close()
 
 
+async def test_api_key_limits_stay_fast_while_redis_is_silent(tmp_path: Path) -> None:
+    """Per-key limits in Redis (router/key_limits.py) while the server is frozen (SIGSTOP):
+    each acquire gives up at its 100 ms bound and serves the request without limits; after
+    three in a row the breaker skips Redis; once the server answers again the limits hold."""
+    import signal
+
+    from router.auth import KeyLimits
+    from router.breaker import CircuitBreaker
+    from router.key_limits import KeyLimited, SharedKeyLimiter
+
+    server = start_redis_server(tmp_path)
+    store = ControlStore.from_url(server.url, "demo")
+    limiter = SharedKeyLimiter(store, breaker=CircuitBreaker(threshold=3, open_s=0.5))
+    one = KeyLimits(max_concurrent=1)
+
+    async def timed_acquire(request_id: str) -> float:
+        started = time.perf_counter()
+        await limiter.acquire("team", one, request_id)  # never refused while Redis is silent
+        return time.perf_counter() - started
+
+    try:
+        await limiter.acquire("team", one, "held")
+        with pytest.raises(KeyLimited):
+            await limiter.acquire("team", one, "second")
+        os.kill(server.pid, signal.SIGSTOP)
+        tries = [await timed_acquire(f"frozen-{i}") for i in range(5)]
+        assert all(0.09 <= seconds < 0.5 for seconds in tries[:3]), tries
+        assert limiter.breaker.is_open
+        assert all(seconds < 0.005 for seconds in tries[3:]), tries  # Redis not asked
+        os.kill(server.pid, signal.SIGCONT)
+        await asyncio.sleep(0.6)  # the breaker's open time
+        with pytest.raises(KeyLimited):  # "held" still holds the key's one slot
+            await limiter.acquire("team", one, "after")
+        assert not limiter.breaker.is_open
+        await limiter.release("team", "held")
+        await limiter.acquire("team", one, "after")
+        await limiter.release("team", "after")
+        await limiter.close()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.pid, signal.SIGCONT)
+        server.stop()
+        await store.close()
+
+
 @pytest.mark.parametrize("how", ["stopped", "killed"])
 def test_operator_settings_survive_a_restart_of_a_persisted_server(
     tmp_path: Path, how: str
