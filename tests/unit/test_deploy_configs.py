@@ -76,7 +76,7 @@ def test_gpu_config_uses_gpus() -> None:
 def test_kuberay_rayservice_embeds_a_valid_serve_config() -> None:
     docs = list(yaml.safe_load_all((DEPLOY / "kuberay" / "rayservice.yaml").read_text()))
     kinds = {d["kind"]: d for d in docs}
-    assert set(kinds) == {"Deployment", "Service", "RayService"}
+    assert set(kinds) == {"Deployment", "Service", "PersistentVolumeClaim", "RayService"}
     service = kinds["RayService"]
     assert service["apiVersion"] == "ray.io/v1"
     config = _serve_config(yaml.safe_load(service["spec"]["serveConfigV2"]))
@@ -87,6 +87,42 @@ def test_kuberay_rayservice_embeds_a_valid_serve_config() -> None:
     # The control plane's password reaches the pods from the Secret, never a literal.
     for doc in docs:
         assert "redis://" not in yaml.safe_dump(doc)
+
+
+def test_kuberay_pods_mount_the_model_run_one_image_and_scale_with_the_pools() -> None:
+    """Every pod that reads the model (head: Router replicas load its tokenizer; workers: the
+    engines) mounts the declared claim where the config's model path lies; every Ray container
+    runs the pdserve image (Serve's proxies import api.serve_grpc from the node, not from an
+    app's runtime_env); the worker group's bounds are the GPU pools' together, and Ray's
+    autoscaler is on."""
+    docs = list(yaml.safe_load_all((DEPLOY / "kuberay" / "rayservice.yaml").read_text()))
+    kinds = {d["kind"]: d for d in docs}
+    claim = kinds["PersistentVolumeClaim"]["metadata"]["name"]
+    service = kinds["RayService"]["spec"]
+    config = _serve_config(yaml.safe_load(service["serveConfigV2"]))
+    serve_config = yaml.safe_load(service["serveConfigV2"])
+    assert "runtime_env" not in serve_config["applications"][0]
+    cluster = service["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    pods = [cluster["headGroupSpec"]["template"]["spec"]]
+    pods += [g["template"]["spec"] for g in cluster["workerGroupSpecs"]]
+    for pod in pods:
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        (container,) = pod["containers"]
+        assert container["image"].endswith("/pdserve:0.1.0"), container["image"]
+        mounts = [m for m in container["volumeMounts"] if m["name"] in volumes]
+        assert any(
+            volumes[m["name"]]["persistentVolumeClaim"]["claimName"] == claim
+            and config.engine.model.startswith(m["mountPath"] + "/")
+            for m in mounts
+        ), container["name"]
+    (group,) = cluster["workerGroupSpecs"]
+    gpu_pools = [config.prefill, config.decode]
+    assert group["minReplicas"] == sum(p.min_replicas * p.num_gpus for p in gpu_pools)
+    assert group["maxReplicas"] == sum(p.max_replicas * p.num_gpus for p in gpu_pools)
+    dockerfile = (DEPLOY / "kuberay" / "Dockerfile").read_text()
+    assert f"FROM rayproject/ray-llm:{cluster['rayVersion']}-" in dockerfile
+    assert "pip install --no-cache-dir --no-deps -e /home/ray/pdserve" in dockerfile
 
 
 def test_cluster_launcher_yaml_passes_rays_schema() -> None:
