@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Self
 
 import pytest
 
@@ -103,24 +104,36 @@ def _cli(url: str, *args: str) -> str:
     return proc.stdout
 
 
-class Burst:
-    """`num_requests` prefill-heavy requests kept in flight from a thread until `stop()`."""
+class BackgroundLoad:
+    """Requests sent from a thread of its own (`_run`, in its own event loop) from entering the
+    `with` block until leaving it; failures are kept in `errors`."""
 
-    def __init__(self, app: ServedApp, num_requests: int) -> None:
+    def __init__(self, app: ServedApp, join_timeout_s: float) -> None:
         self._app = app
-        self._num_requests = num_requests
+        self._join_timeout_s = join_timeout_s
         self._stopping = threading.Event()
-        self.num_done = 0
         self.errors: list[BaseException] = []
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
-    def __enter__(self) -> Burst:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stopping.set()
-        self._thread.join(timeout=120)
+        self._thread.join(timeout=self._join_timeout_s)
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Burst(BackgroundLoad):
+    """`num_requests` prefill-heavy requests kept in flight."""
+
+    def __init__(self, app: ServedApp, num_requests: int) -> None:
+        super().__init__(app, join_timeout_s=120)
+        self._num_requests = num_requests
+        self.num_done = 0
 
     async def _run(self) -> None:
         async def worker(client: AsyncPDServeClient, i: int) -> None:
@@ -203,26 +216,15 @@ def test_slo_set_changes_the_next_decisions(
     assert _running("Prefill") == 1
 
 
-class SteadyLoad:
-    """`num_streams` greedy streams over `prompts`, one after another from a thread until
-    `stop()`: every completion is kept with its prompt, every failure as it came."""
+class SteadyLoad(BackgroundLoad):
+    """`num_streams` greedy streams over `prompts`, one request after another: every
+    completion is kept with its prompt, every failure as it came (and the stream goes on)."""
 
     def __init__(self, app: ServedApp, prompts: list[str], num_streams: int) -> None:
-        self._app = app
+        super().__init__(app, join_timeout_s=300)
         self._prompts = prompts
         self._num_streams = num_streams
-        self._stopping = threading.Event()
         self.done: list[tuple[str, list[int]]] = []
-        self.errors: list[BaseException] = []
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    def __enter__(self) -> SteadyLoad:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stopping.set()
-        self._thread.join(timeout=300)
 
     async def _run(self) -> None:
         async def stream(client: AsyncPDServeClient, i: int) -> None:
