@@ -135,7 +135,7 @@ async def test_the_proxies_refuse_calls_past_capacity_before_the_router(
 
     from api.client import AsyncPDServeClient
 
-    cert, state, _ = tls_run
+    cert, state, env = tls_run
     target = f"127.0.0.1:{state['grpc_port']}"
     url = f"https://127.0.0.1:{state['http_port']}/v1/completions"
     held_tokens = 1500
@@ -182,6 +182,41 @@ async def test_the_proxies_refuse_calls_past_capacity_before_the_router(
         # Room again: a call now is admitted.
         done = [c async for c in client.generate("after", max_tokens=2, ignore_eos=True)]
         assert sum(len(c.token_ids) for c in done) == 2
+    # Each refusal is counted, by the proxy that made it (the router never saw them).
+    assert _overloaded_count(env, state, want=20) == 20
+
+
+# Polls the run's metrics agents (they export every few seconds) until the overloaded count of
+# pdserve_requests_total reaches argv[2] or 120 s pass; prints the last count.
+_OVERLOADED = """
+import sys, time
+import ray
+from tests.e2e.metrics import metric_sum, scrape
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+deadline = time.monotonic() + 120
+while True:
+    count = metric_sum(scrape(), "pdserve_requests_total", outcome="overloaded")
+    if count >= float(sys.argv[2]) or time.monotonic() > deadline:
+        break
+    time.sleep(2)
+print(count)
+"""
+
+
+def _overloaded_count(env: dict[str, str], state: dict[str, object], want: int) -> float:
+    import subprocess
+    import sys
+
+    from deploy.local import ray_auth_env
+
+    env = {**env, **ray_auth_env(Path(str(state["ray_token_path"])))}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])  # tests.e2e.metrics
+    done = subprocess.run(
+        [sys.executable, "-c", _OVERLOADED, str(state["ray_address"]), str(want)],
+        env=env, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def test_up_names_a_missing_or_non_pem_tls_file(tmp_path: Path) -> None:
