@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.workload import Workload
 from engine.params import GenerationParams
 from engine.platform import detect_device
 from engine.settings import EngineSettings
@@ -40,3 +41,19 @@ def prompt_of_length(tokenizer: object, num_tokens: int) -> tuple[int, ...]:
         ids = list(tokenizer(long_text(words))["input_ids"])  # type: ignore[operator]
         words *= 2
     return tuple(ids[:num_tokens])
+
+
+def small_chat_workload(num_requests: int) -> Workload:
+    """A bench workload short enough for a test: 16-48 prompt tokens, 8 output tokens, two
+    requests at one in flight, then `num_requests` at 1 req/s, under a loose SLO."""
+    return Workload.model_validate(
+        {
+            "name": "tiny-chat",
+            "prompt_tokens": {"kind": "uniform", "low": 16, "high": 48},
+            "output_tokens": {"kind": "fixed", "value": 8},
+            "num_requests": num_requests,
+            "low_load_requests": 2,
+            "rates": [1.0],
+            "slo": {"ttft_s": 5.0, "tpot_s": 1.0},
+        }
+    )

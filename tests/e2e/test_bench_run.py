@@ -25,23 +25,14 @@ from bench.runner import Arrival, run_load
 from bench.suite import BenchPlan, run_benchmark
 from bench.systems import start_system
 from bench.targets import GrpcTarget, HttpTarget, Target
-from bench.workload import Workload, build_requests
+from bench.workload import build_requests
 from engine.prompts import load_tokenizer
+from tests.builders import small_chat_workload
 from tests.e2e.conftest import ServedApp
 
 pytestmark = pytest.mark.engine
 
-WORKLOAD = Workload.model_validate(
-    {
-        "name": "tiny-chat",
-        "prompt_tokens": {"kind": "uniform", "low": 16, "high": 48},
-        "output_tokens": {"kind": "fixed", "value": 8},
-        "num_requests": 4,
-        "low_load_requests": 2,
-        "rates": [1.0],
-        "slo": {"ttft_s": 5.0, "tpot_s": 1.0},
-    }
-)
+WORKLOAD = small_chat_workload(num_requests=4)
 
 
 @contextmanager

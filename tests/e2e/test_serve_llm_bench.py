@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from bench.report import Report
-from bench.workload import Workload
+from tests.builders import small_chat_workload
 
 pytestmark = [
     pytest.mark.engine,
@@ -27,17 +27,7 @@ pytestmark = [
     ),
 ]
 
-WORKLOAD = Workload.model_validate(
-    {
-        "name": "tiny-chat",
-        "prompt_tokens": {"kind": "uniform", "low": 16, "high": 48},
-        "output_tokens": {"kind": "fixed", "value": 8},
-        "num_requests": 3,
-        "low_load_requests": 2,
-        "rates": [1.0],
-        "slo": {"ttft_s": 5.0, "tpot_s": 1.0},
-    }
-)
+WORKLOAD = small_chat_workload(num_requests=3)
 
 
 def test_ray_serve_llm_serves_a_benchmark(tmp_path: Path) -> None:
