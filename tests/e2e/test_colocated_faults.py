@@ -1,0 +1,97 @@
+"""The colocated topology's migration, served: an app of two engine replicas (tiny model, each
+on a host of its own). The EngineCore under the replica serving a long greedy stream is
+killed mid-stream; the client's one stream goes on from the other replica (the prompt plus the
+tokens delivered start again there, router/lifecycle.py) with the uninterrupted run's tokens.
+
+The module's own app: it kills an engine, so no other module's requests meet the dead one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from api.client import collect
+from api.gen.pdserve.v1 import pdserve_pb2
+from deploy.config import AppConfig
+from tests.e2e.conftest import APP_TIMEOUT_S, ServedApp, ServeProxy, on_host
+from tests.e2e.metrics import wait_metric_at_least
+from tests.procs import children_named
+
+pytestmark = pytest.mark.engine
+
+APP = "colo-faults"
+
+
+@pytest.fixture(scope="module")
+def colocated_pair(serve_proxy: ServeProxy) -> Iterator[ServedApp]:
+    from ray import serve
+    from ray.serve import api as serve_api
+
+    from deploy.app import build_app
+    from deploy.up import wait_serving
+
+    config = AppConfig.model_validate(
+        {
+            "name": APP,
+            "topology": "colocated",
+            "engine": {"model": "tiny", "kv_cache_memory_bytes": 32 * 1024**2},
+            "colocated": {
+                "num_replicas": 2,
+                "min_replicas": 2,
+                "max_replicas": 2,
+                "num_cpus": 0.25,
+                "cpu_cores": [1],
+                "resources": on_host("c"),
+            },
+            "router": {"default_max_tokens": 16, "resources": on_host("b")},
+            "autoscaling": {"enabled": False},
+        }
+    )
+    serve_api._run(build_app(config), name=APP, route_prefix=f"/{APP}", _blocking=False)
+    wait_serving(APP, APP_TIMEOUT_S)
+    yield ServedApp("colocated-pair", config, serve_proxy.grpc_target, serve_proxy.http_port)
+    serve.delete(APP)
+
+
+def _engine_core_under(worker_id: str) -> int:
+    """The PID of the EngineCore process under the engine replica `worker_id` names."""
+    import ray
+
+    from prefill_workers.replica import unique_id_of
+
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#Engine#{unique_id_of(worker_id)}", "serve")
+    replica_pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+    (engine_core,) = children_named(replica_pid, "EngineCore")
+    return int(engine_core)
+
+
+def test_a_stream_whose_engine_dies_goes_on_on_the_other_replica(
+    colocated_pair: ServedApp,
+) -> None:
+    prompt = f"A colocated stream that outlives its engine {uuid.uuid4().hex}. " * 3
+    options: dict[str, Any] = {"max_tokens": 1500, "ignore_eos": True}  # greedy
+    with colocated_pair.client() as client:
+        reference = collect(client.generate(prompt, **options))
+        tokens: list[int] = []
+        killed, last = "", None
+        for response in client.generate(prompt, **options):
+            tokens.extend(response.token_ids)
+            last = response
+            serving = response.timings.prefill_replica  # the engine that took the request
+            if not killed and len(tokens) >= 32 and serving:
+                killed = serving
+                os.kill(_engine_core_under(killed), signal.SIGKILL)
+        assert killed, "the stream ended before an engine was killed"
+        assert last is not None and last.finish_reason == pdserve_pb2.FINISH_REASON_LENGTH
+        assert last.usage.completion_tokens == 1500
+        assert tokens == list(reference.token_ids)
+        # A new request goes to the live replica (the router avoids the one that failed).
+        after = collect(client.generate("after the kill", max_tokens=4))
+    assert after.timings.prefill_replica not in ("", killed), after.timings
+    # The stream moved (its timings keep naming the replica it started on).
+    assert wait_metric_at_least("pdserve_migrations_total", 1, app=APP) >= 1
