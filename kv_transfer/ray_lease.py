@@ -84,8 +84,15 @@ class KVLeaseRegistry:
 
 
 def start_lease_registry(name: str, namespace: str | None = None, *, detached: bool = False) -> Any:
-    """Start the named registry, or return the running one of that name."""
-    options: dict[str, Any] = {"name": name, "get_if_exists": True, "num_cpus": 0}
+    """Start the named registry, or return the running one of that name. Ray restarts it when
+    its process dies, under the same name and behind the same handles: the leases it held are
+    gone (their consumers fail the load, and recompute or move the request), new ones work."""
+    options: dict[str, Any] = {
+        "name": name,
+        "get_if_exists": True,
+        "num_cpus": 0,
+        "max_restarts": -1,
+    }
     if namespace is not None:
         options["namespace"] = namespace
     if detached:

@@ -198,3 +198,37 @@ async def test_a_stopping_prefill_replica_waits_until_its_handoff_is_pulled(
     assert await asyncio.wait_for(drain, 30) is True
     assert await wait_idle(prefill, decode, timeout=10)
     assert await live_leases(prefill) == 0
+
+
+@pytest.mark.parametrize("pd_case", [("ray", "tiny")], indirect=True, ids=["ray-tiny"])
+async def test_the_lease_registry_comes_back_after_its_process_dies(
+    pd_case: tuple[str, str, Pair],
+) -> None:
+    """The `ray` backend's lease registry is one actor: its process is killed, Ray starts it
+    again under the same name and handles, and requests after that hand their KV over as
+    before (the engines' connectors keep the handles they took at start)."""
+    import ray
+
+    from kv_transfer.ray_lease import get_lease_registry
+
+    _, _, pair = pd_case
+    prefill = pair[0]
+    params = make_greedy(max_tokens=6, ignore_eos=True)
+    # Prompts of two blocks and a bit, a new one each time (no prefix cache to hit).
+    assert len(await run_pd(*pair, make_request(tuple(range(100, 170)), params))) == 6
+    registry = get_lease_registry(prefill.transfer.lease_registry, prefill.transfer.ray_namespace)
+    ray.kill(registry, no_restart=False)
+    deadline = asyncio.get_running_loop().time() + 60
+    while True:  # answered by the new process
+        try:
+            assert await asyncio.wait_for(registry.num_live.remote(), 10) == 0
+            break
+        except (TimeoutError, ray.exceptions.RayActorError):
+            assert asyncio.get_running_loop().time() < deadline, "the registry did not return"
+            await asyncio.sleep(0.5)
+    loads_before = pair[1].stats.kv_loads.num_loads
+    assert len(await run_pd(*pair, make_request(tuple(range(200, 270)), params))) == 6
+    assert pair[1].stats.kv_loads.num_loads == loads_before + 1  # loaded, not recomputed
+    assert pair[1].stats.kv_loads.num_failures == 0
+    assert await wait_idle(*pair, timeout=10)
+    assert await live_leases(prefill) == 0
