@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -264,3 +265,28 @@ def serve_apps(
     yield apps
     for app in apps.values():
         serve.delete(app.name)
+
+
+def replica_actor(app: str, deployment: str, worker_id: str) -> Any:
+    """The Serve replica actor of `deployment` in `app` whose engine goes by `worker_id`
+    ("decode-x1y2z3": the pool and the replica's unique id)."""
+    import ray
+
+    from prefill_workers.replica import unique_id_of
+
+    name = f"SERVE_REPLICA::{app}#{deployment}#{unique_id_of(worker_id)}"
+    return ray.get_actor(name, namespace="serve")
+
+
+def engine_core_pid(actor: Any) -> int:
+    """The PID of the EngineCore process under the replica `actor`: the replica's own child,
+    which vLLM titles VLLM::EngineCore."""
+    import os
+
+    import ray
+
+    from tests.procs import children_named
+
+    replica_pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+    (engine_core,) = children_named(replica_pid, "EngineCore")
+    return int(engine_core)

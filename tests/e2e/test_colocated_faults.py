@@ -18,9 +18,15 @@ import pytest
 from api.client import collect
 from api.gen.pdserve.v1 import pdserve_pb2
 from deploy.config import AppConfig
-from tests.e2e.conftest import APP_TIMEOUT_S, ServedApp, ServeProxy, on_host
+from tests.e2e.conftest import (
+    APP_TIMEOUT_S,
+    ServedApp,
+    ServeProxy,
+    engine_core_pid,
+    on_host,
+    replica_actor,
+)
 from tests.e2e.metrics import wait_metric_at_least
-from tests.procs import children_named
 
 pytestmark = pytest.mark.engine
 
@@ -58,18 +64,6 @@ def colocated_pair(serve_proxy: ServeProxy) -> Iterator[ServedApp]:
     serve.delete(APP)
 
 
-def _engine_core_under(worker_id: str) -> int:
-    """The PID of the EngineCore process under the engine replica `worker_id` names."""
-    import ray
-
-    from prefill_workers.replica import unique_id_of
-
-    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#Engine#{unique_id_of(worker_id)}", "serve")
-    replica_pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
-    (engine_core,) = children_named(replica_pid, "EngineCore")
-    return int(engine_core)
-
-
 def test_a_stream_whose_engine_dies_goes_on_on_the_other_replica(
     colocated_pair: ServedApp,
 ) -> None:
@@ -85,7 +79,7 @@ def test_a_stream_whose_engine_dies_goes_on_on_the_other_replica(
             serving = response.timings.prefill_replica  # the engine that took the request
             if not killed and len(tokens) >= 32 and serving:
                 killed = serving
-                os.kill(_engine_core_under(killed), signal.SIGKILL)
+                os.kill(engine_core_pid(replica_actor(APP, "Engine", killed)), signal.SIGKILL)
         assert killed, "the stream ended before an engine was killed"
         assert last is not None and last.finish_reason == pdserve_pb2.FINISH_REASON_LENGTH
         assert last.usage.completion_tokens == 1500

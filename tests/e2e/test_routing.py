@@ -31,9 +31,15 @@ from engine.messages import GenerationRequest, ReplicaLoad
 from engine.models import resolve_model
 from engine.params import GenerationParams
 from engine.prompts import load_tokenizer
-from tests.e2e.conftest import APP_TIMEOUT_S, ServedApp, ServeProxy, on_host
+from tests.e2e.conftest import (
+    APP_TIMEOUT_S,
+    ServedApp,
+    ServeProxy,
+    engine_core_pid,
+    on_host,
+    replica_actor,
+)
 from tests.e2e.metrics import metric_sum, scrape, wait_metric, wait_metric_at_least
-from tests.procs import children_named
 
 pytestmark = pytest.mark.engine
 
@@ -232,25 +238,7 @@ def _status(redis_server: RedisServer) -> subprocess.CompletedProcess[str]:
 
 def _replica_actor(worker_id: str) -> Any:
     """The Serve replica actor of the decode replica `worker_id` names."""
-    import ray
-
-    from prefill_workers.replica import unique_id_of
-
-    name = f"SERVE_REPLICA::{APP}#Decode#{unique_id_of(worker_id)}"
-    return ray.get_actor(name, namespace="serve")
-
-
-def _engine_core_of(worker_id: str, actor: Any = None) -> int:
-    """The PID of the EngineCore process under the decode replica `worker_id` names (or under
-    `actor`): the replica actor's own child, which vLLM titles VLLM::EngineCore."""
-    import os
-
-    import ray
-
-    actor = actor or _replica_actor(worker_id)
-    replica_pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
-    (engine_core,) = children_named(replica_pid, "EngineCore")
-    return int(engine_core)
+    return replica_actor(APP, "Decode", worker_id)
 
 
 def test_a_stream_whose_decode_engine_dies_goes_on_elsewhere_token_for_token(
@@ -281,7 +269,7 @@ def test_a_stream_whose_decode_engine_dies_goes_on_elsewhere_token_for_token(
             serving = response.timings.decode_replica
             if not killed and len(tokens) >= 32 and serving:
                 killed = serving
-                os.kill(_engine_core_of(killed), signal.SIGKILL)
+                os.kill(engine_core_pid(_replica_actor(killed)), signal.SIGKILL)
             elif killed and stats is None and serving not in ("", killed):
                 # Moved: the dead engine's replica says so in its routing stats (asked as
                 # Serve asks them), while it lives (Serve stops it after 3 failed checks).
@@ -325,7 +313,7 @@ def test_with_every_prefill_engine_dead_a_decode_replica_prefills_for_itself(
         assert len(names) == 2, names
         for name in names:
             actor = ray.get_actor(name, namespace="serve")
-            os.kill(_engine_core_of("", actor), signal.SIGKILL)
+            os.kill(engine_core_pid(actor), signal.SIGKILL)
         ok_before = metric_sum(scrape(), "pdserve_requests_total", app=APP, outcome="ok")
         done = collect(client.generate(prompt, **options))
     assert list(done.token_ids) == list(reference.token_ids)
