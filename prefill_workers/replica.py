@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -89,6 +89,7 @@ class ReplicaShell:
     _status: LoadSink | None = None
     # How long a stopping replica waits for its engine's KV to be freed (0: it does not wait).
     drain_timeout_s: float = 0.0
+    _stopping: bool = False
 
     @property
     def num_pending_prefill_tokens(self) -> int:
@@ -143,14 +144,23 @@ class ReplicaShell:
     async def abort(self, request_id: str) -> None:
         await self._engine_owner.abort(request_id)
 
-    async def __del__(self) -> None:
+    def __del__(self) -> Coroutine[Any, Any, None] | None:
         """Serve's graceful shutdown, once this replica's calls have ended (Serve stopped routing
-        to it and waited for them): a replica whose engine may still hold KV for others (a
-        prefill replica's handoffs, until the decode side pulls them or their lease ends) waits
-        up to `drain_timeout_s` for it to be freed, then stops its engine."""
+        to it and waited for them): the engine stops. A replica whose engine may still hold KV
+        for others (a prefill replica's handoffs, until the decode side pulls them or their
+        lease ends) first waits up to `drain_timeout_s` for it to be freed: it returns that wait,
+        which Serve awaits. Synchronous otherwise, so that a collected object (the garbage
+        collector calls `__del__` too, and awaits nothing) leaves no coroutine behind."""
         owner = getattr(self, "_engine_owner", None)
-        if owner is None:
-            return
+        if owner is None or self._stopping:
+            return None
+        self._stopping = True
+        if self.drain_timeout_s <= 0:
+            owner.shutdown()
+            return None
+        return self._drain_then_stop(owner)
+
+    async def _drain_then_stop(self, owner: ServedEngine) -> None:
         try:
             if self.drain_timeout_s > 0 and not await owner.wait_drained(self.drain_timeout_s):
                 logger.warning(
