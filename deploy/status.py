@@ -81,6 +81,11 @@ def health_warnings(replicas: Sequence[ReplicaLoad]) -> list[str]:
     ]
 
 
+def status_warnings(replicas: Sequence[ReplicaLoad]) -> list[str]:
+    """What `pdserve status` warns of, in text and in --json: dead engines, failed KV loads."""
+    return health_warnings(replicas) + kv_load_warnings(replicas)
+
+
 def kv_load_warnings(replicas: Sequence[ReplicaLoad]) -> list[str]:
     """One warning line when any decode replica computed prompts whose KV should have been
     loaded: the transfer path is broken (unreachable producer, handshake, lost objects) and
@@ -231,7 +236,7 @@ def format_status(report: StatusReport) -> list[str]:
         for name, deployment in report.serve.items():
             states = ", ".join(f"{s}: {n}" for s, n in sorted(deployment.replica_states.items()))
             lines.append(f"  {name:<12}{states}   {deployment.status}")
-    lines += health_warnings(report.replicas) + kv_load_warnings(report.replicas)
+    lines += status_warnings(report.replicas)
     lines.append("autoscaling (prefill on TTFT, decode on TPOT)")
     lines += format_pools(report.pools)
     lines.append("replicas (last report)")
@@ -271,7 +276,7 @@ def status_json(report: StatusReport) -> dict[str, object]:
         else {name: asdict(d) for name, d in report.serve.items()},
         "pools": [asdict(r) for r in report.pools],
         "replicas": [asdict(r) for r in report.replicas],
-        "warnings": health_warnings(report.replicas) + kv_load_warnings(report.replicas),
+        "warnings": status_warnings(report.replicas),
         "decisions": [asdict(d) for d in report.decisions],
         "latest": [asdict(d) for d in report.latest],
         "latencies": latencies,

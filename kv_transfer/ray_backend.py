@@ -44,26 +44,27 @@ class RayBackend(KVBackend):
     async def release_abandoned(self, producer_id: str, request_id: str) -> None:
         # The engine may have finished the prompt (and registered its lease) just before the
         # abort reached it; vLLM then drops the output, and with it the only copy of the key.
-        from kv_transfer.ray_lease import get_lease_registry
         from kv_transfer.ray_params import lease_owner_id
 
         owner = lease_owner_id(producer_id, request_id)
         try:
-            registry = get_lease_registry(self.settings.lease_registry, self.settings.ray_namespace)
-            await asyncio.wait_for(registry.release_owner.remote(owner), REGISTRY_CALL_TIMEOUT_S)
+            await self._registry_call("release_owner", owner)
         except Exception:  # the abort goes on; an unreleased lease expires after its lease
             logger.exception("ray backend: releasing the leases of %s failed", owner)
 
     async def num_stored_handoffs(self, producer_id: str) -> int:
         # The layers are objects the producer's engine process put in Ray's object store: they
         # are lost with that process, so a stopping producer waits for its leases to end.
+        return int(await self._registry_call("num_live", producer_id))
+
+    async def _registry_call(self, method: str, *args: Any) -> Any:
+        """One call of the lease registry's `method`, bounded to REGISTRY_CALL_TIMEOUT_S."""
         from kv_transfer.ray_lease import get_lease_registry
 
         registry = get_lease_registry(self.settings.lease_registry, self.settings.ray_namespace)
-        live = await asyncio.wait_for(
-            registry.num_live.remote(producer_id), REGISTRY_CALL_TIMEOUT_S
+        return await asyncio.wait_for(
+            getattr(registry, method).remote(*args), REGISTRY_CALL_TIMEOUT_S
         )
-        return int(live)
 
     def parse_producer_output(self, params: dict[str, Any]) -> RayPull:
         if "ray_kv" not in params:

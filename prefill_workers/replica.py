@@ -162,7 +162,7 @@ class ReplicaShell:
 
     async def _drain_then_stop(self, owner: ServedEngine) -> None:
         try:
-            if self.drain_timeout_s > 0 and not await owner.wait_drained(self.drain_timeout_s):
+            if not await owner.wait_drained(self.drain_timeout_s):
                 logger.warning(
                     "%s: KV still held after %.0f s of draining; stopping anyway",
                     owner.worker_id,
