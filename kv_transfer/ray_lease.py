@@ -92,6 +92,9 @@ def start_lease_registry(name: str, namespace: str | None = None, *, detached: b
         "get_if_exists": True,
         "num_cpus": 0,
         "max_restarts": -1,
+        # A call that met the dead process runs again on the new one (an engine's handle may
+        # not know of the restart yet).
+        "max_task_retries": 3,
     }
     if namespace is not None:
         options["namespace"] = namespace
