@@ -62,3 +62,20 @@ def wait_metric_at_least(
         if value >= want or time.monotonic() > deadline:
             return value
         time.sleep(1.0)
+
+
+def settled_metric(
+    name: str, quiet_s: float = 6.0, timeout_s: float = EXPORT_WAIT_S, **labels: str
+) -> float:
+    """`name`'s sum once it has not moved for `quiet_s` (three of the test clusters' 2 s export
+    periods): a baseline read right after other requests may miss their counts still on the
+    way, and a later exact-count check then sees them as extra."""
+    deadline = time.monotonic() + timeout_s
+    value = metric_sum(scrape(), name, **labels)
+    since = time.monotonic()
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = metric_sum(scrape(), name, **labels)
+        if now != value:
+            value, since = now, time.monotonic()
+    return value

@@ -10,7 +10,7 @@ import pytest
 from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from router.auth import new_key
 from tests.e2e.conftest import ServedApp
-from tests.e2e.metrics import metric_sum, scrape, wait_metric, wait_metric_at_least
+from tests.e2e.metrics import settled_metric, wait_metric, wait_metric_at_least
 
 pytestmark = pytest.mark.engine
 
@@ -22,7 +22,7 @@ def test_calls_without_a_valid_key_are_refused_and_counted(
 
     app = serve_apps["nixl"]
     assert app.api_key
-    invalid_before = metric_sum(scrape(), "pdserve_requests_total", app=app.name, outcome="invalid")
+    invalid_before = settled_metric("pdserve_requests_total", app=app.name, outcome="invalid")
     request = pdserve_pb2.GenerateRequest(prompt="hi", max_tokens=2)
     with grpc.insecure_channel(app.grpc_target) as channel:
         stub = pdserve_pb2_grpc.PDServeServiceStub(channel)
