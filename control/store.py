@@ -18,6 +18,7 @@ Every value is a short JSON or text string; no KV-cache data ever goes through R
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from control.breaker import BestEffort
 from control.keys import ControlKeys, validate_metric
 from control.records import decode_replica_load, encode_replica_load
 from engine.messages import ReplicaLoad
@@ -208,6 +210,12 @@ class ControlStore:
         return [float(_text(value)) for value in values]
 
 
+logger = logging.getLogger(__name__)
+
+# A replica's status write runs on Serve's routing-stats period: it must end well within it.
+PUBLISH_TIMEOUT_S = 1.0
+
+
 class LoadPublisher:
     """How a replica publishes its load: `build_app` puts one in each scaled pool's settings
     (the replica packages sit below control/ and do not import it). Picklable, since Serve
@@ -217,6 +225,7 @@ class LoadPublisher:
         self.url = url
         self.app = ControlKeys(app).app
         self._store: ControlStore | None = None
+        self._writes = BestEffort("publishing replica status to Redis", logger, PUBLISH_TIMEOUT_S)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (LoadPublisher, (self.url, self.app))
@@ -224,10 +233,13 @@ class LoadPublisher:
     def __repr__(self) -> str:  # never the URL: it carries the password
         return f"LoadPublisher(app={self.app!r})"
 
-    async def publish(self, load: ReplicaLoad) -> None:
+    async def publish(self, load: ReplicaLoad) -> bool:
+        """Whether the load was written; never raises (status is informational: routing and
+        serving go on while Redis is away)."""
         if self._store is None:
             self._store = ControlStore.from_url(self.url, self.app)
-        await self._store.put_replica_load(load)
+        store = self._store
+        return await self._writes.run(lambda: store.put_replica_load(load))
 
 
 def _text(value: bytes | str) -> str:

@@ -23,9 +23,10 @@ logger = logging.getLogger(__name__)
 
 class LoadSink(Protocol):
     """Where a replica publishes its load (`pdserve status`): the control plane's publisher,
-    built by `build_app`, since the replica packages sit below control/."""
+    built by `build_app`, since the replica packages sit below control/. It bounds, logs and
+    swallows its own failures: status is informational, and routing goes on without it."""
 
-    async def publish(self, load: ReplicaLoad) -> None: ...
+    async def publish(self, load: ReplicaLoad) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -127,10 +128,7 @@ class ReplicaShell:
         self._engine_owner.stats.refresh_exported_gauges()
         load = self._engine_owner.load(self.pool, self.num_pending_prefill_tokens)
         if self._status is not None:
-            try:
-                await self._status.publish(load)
-            except Exception as exc:  # status is informational; routing and serving go on
-                logger.warning("publishing replica status to Redis failed: %s", exc)
+            await self._status.publish(load)
         return load.to_stats()
 
     async def check_health(self) -> None:

@@ -32,6 +32,7 @@ from api.convert import (
 )
 from api.gen.pdserve.v1 import pdserve_pb2
 from api.serve_grpc import SERVICE, MalformedRequest
+from control.breaker import BestEffort
 from control.store import ControlStore
 from engine.models import resolve_model
 from engine.prompts import load_tokenizer
@@ -85,12 +86,9 @@ SAMPLE_TIMEOUT_S = 1.0
 
 
 async def _record_samples(store: ControlStore, values: dict[str, float | None]) -> None:
-    try:
-        for metric, value in values.items():
-            if value is not None:
-                await asyncio.wait_for(store.record_sample(metric, value), SAMPLE_TIMEOUT_S)
-    except Exception as exc:  # status percentiles are best effort; serving goes on
-        logger.warning("recording latency samples in Redis failed: %s", exc)
+    for metric, value in values.items():
+        if value is not None:
+            await store.record_sample(metric, value)
 
 
 @dataclass(frozen=True)
@@ -160,6 +158,8 @@ class Router:
             )
         url = settings.control_url
         self.store = ControlStore.from_url(url, settings.app) if url else None
+        # Status percentiles are best effort: serving goes on while Redis is away.
+        self._samples = BestEffort("recording latency samples in Redis", logger, SAMPLE_TIMEOUT_S)
         self.service = RouterService(
             tokenizer,
             RequestLimits(
@@ -193,7 +193,8 @@ class Router:
             "prefill": timings.prefill_s,
             "kv_transfer": timings.kv_transfer_s if timings.decode_start_s > 0 else None,
         }
-        task = asyncio.ensure_future(_record_samples(self.store, values))
+        store = self.store
+        task = asyncio.ensure_future(self._samples.run(lambda: _record_samples(store, values)))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

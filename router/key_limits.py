@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from control.breaker import CircuitBreaker
 from control.store import KEY_SLOT_IN_FLIGHT, KEY_SLOT_TAKEN, ControlStore
 from router.auth import KeyLimits
-from router.breaker import CircuitBreaker
 
 logger = logging.getLogger(__name__)
 

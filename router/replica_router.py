@@ -23,11 +23,11 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from control.breaker import CircuitBreaker
 from control.store import ControlStore
 from engine.messages import GenerationRequest, ReplicaLoad
 from kv_transfer.blocks import num_blocks_for
 from prefill_workers.replica import unique_id_of
-from router.breaker import CircuitBreaker
 from router.policy import (
     DecodeReplicaState,
     PrefillReplicaState,

@@ -355,7 +355,7 @@ async def test_routing_lookups_stay_fast_while_redis_is_silent_or_gone(tmp_path:
     the records it kept. A stopped server is skipped the same way."""
     import signal
 
-    from router.breaker import CircuitBreaker
+    from control.breaker import CircuitBreaker
     from router.replica_router import SharedPrefixIndex
 
     server = start_redis_server(tmp_path)
@@ -402,8 +402,8 @@ async def test_api_key_limits_stay_fast_while_redis_is_silent(tmp_path: Path) ->
     three in a row the breaker skips Redis; once the server answers again the limits hold."""
     import signal
 
+    from control.breaker import CircuitBreaker
     from router.auth import KeyLimits
-    from router.breaker import CircuitBreaker
     from router.key_limits import KeyLimited, SharedKeyLimiter
 
     server = start_redis_server(tmp_path)
