@@ -141,6 +141,12 @@ class TransferConfig(_Strict):
         "recompute", description="what decode does when the KV cannot be loaded or verified"
     )
     lease_seconds: float = Field(60.0, gt=0, description="how long an unclaimed KV handoff lives")
+    transfer_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a KV load still in flight past this fails and failure_policy takes it "
+        "(nixl: the whole read; ray: each registry call and each layer's object)",
+    )
     host: str | None = Field(
         None,
         description="address the engines listen on for KV handshakes (NIXL's side channel) and "

@@ -42,6 +42,7 @@ def transfer_settings(config: AppConfig) -> TransferSettings:
         backend=transfer.backend,
         failure_policy=transfer.failure_policy,
         lease_seconds=transfer.lease_seconds,
+        transfer_timeout_s=transfer.transfer_timeout_s,
         listen_host=transfer.host,
         ray_namespace="pdserve",
         lease_registry=f"pdserve-kv-leases-{config.name}",

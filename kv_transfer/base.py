@@ -40,6 +40,9 @@ class TransferSettings:
     # What the decode engine does when KV cannot be loaded or fails verification.
     failure_policy: FailurePolicy = "recompute"
     lease_seconds: float = 60.0
+    # A KV load still in flight past this fails, and the failure policy takes it (a producer
+    # that stopped answering must not hold a request for ever).
+    transfer_timeout_s: float = 30.0
     # Ray backend: the cluster the engines' child processes join, and the lease registry actor.
     ray_address: str | None = None
     ray_namespace: str = "pdserve"
@@ -66,6 +69,8 @@ class TransferSettings:
             )
         if self.lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds}")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
 
 
 class KVBackend(ABC):

@@ -24,7 +24,11 @@ class NixlBackend(KVBackend):
 
     def connector_extra_config(self) -> dict[str, Any]:
         # num_threads 0: UCX's extra progress thread spins half a core on CPU hosts.
-        return {"num_threads": 0, "kv_lease_duration": int(self.settings.lease_seconds)}
+        return {
+            "num_threads": 0,
+            "kv_lease_duration": int(self.settings.lease_seconds),
+            "pd_transfer_timeout_s": self.settings.transfer_timeout_s,
+        }
 
     def kv_buffer_device(self) -> str:
         from engine.platform import detect_device

@@ -34,6 +34,7 @@ class RayBackend(KVBackend):
             "node_ip": self.settings.node_ip,
             "lease_registry": self.settings.lease_registry,
             "lease_seconds": self.settings.lease_seconds,
+            "fetch_timeout_s": self.settings.transfer_timeout_s,
         }
 
     def producer_request_params(self, producer_id: str, request_id: str) -> dict[str, Any]:

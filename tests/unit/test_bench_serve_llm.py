@@ -48,7 +48,11 @@ def test_each_pool_gets_pdserves_connector_and_its_core(role: str, core: int) ->
         "kv_connector_module_path": "kv_transfer.nixl_connector",
         "kv_role": f"kv_{role}",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"num_threads": 0, "kv_lease_duration": 60},
+        "kv_connector_extra_config": {
+            "num_threads": 0,
+            "kv_lease_duration": 60,
+            "pd_transfer_timeout_s": 30.0,
+        },
         "kv_buffer_device": "cpu",
     }
     env = llm["runtime_env"]["env_vars"]  # type: ignore[index]
