@@ -86,15 +86,18 @@ class EngineStatsRecorder:
                 self.transfers.append(TransferSample(float(seconds), int(num_bytes)))
             self.num_failed_transfers += len(connector.get("num_failed_transfers", []))
 
-    def record_kv_load(self, num_prompt_tokens: int, num_cached_tokens: int, failed: bool) -> None:
-        """One consumer request's load: `failed` when the engine refused it (policy "fail")."""
+    def record_kv_load(self, num_prompt_tokens: int, num_cached_tokens: int, failed: bool) -> bool:
+        """One consumer request's load: `failed` when the engine refused it (policy "fail").
+        Returns whether the load failed (refused, or recomputed)."""
         recomputed = num_recomputed_tokens(num_prompt_tokens, num_cached_tokens)
+        failed = failed or recomputed > 0
         with self._lock:
             self.kv_loads = KVLoadCounts(
                 self.kv_loads.num_loads + 1,
-                self.kv_loads.num_failures + int(failed or recomputed > 0),
+                self.kv_loads.num_failures + int(failed),
                 self.kv_loads.num_recomputed_tokens + recomputed,
             )
+        return failed
 
     def refresh_exported_gauges(self) -> None:
         """Periodically (the replica's stats tick): keep an idle engine's exported queue and

@@ -101,6 +101,11 @@ def ray_cluster(hosts: Hosts) -> Iterator[HostCluster]:
         cluster.shutdown()
 
 
+# The engine pairs' KV transfer deadline: short, so the test of a producer that stops answering
+# waits less (a load on this machine takes milliseconds).
+TEST_TRANSFER_TIMEOUT_S = 8.0
+
+
 @pytest.fixture(scope="session")
 def transfer_settings(ray_cluster: HostCluster) -> Iterator[dict[str, object]]:
     """TransferSettings per backend name for engines in this process (host a); the ray backend
@@ -109,10 +114,18 @@ def transfer_settings(ray_cluster: HostCluster) -> Iterator[dict[str, object]]:
     from kv_transfer.ray_lease import start_lease_registry
 
     here = ray_cluster.head_ip
-    ray_settings = TransferSettings(backend="ray", ray_address=ray_cluster.address, node_ip=here)
+    ray_settings = TransferSettings(
+        backend="ray",
+        ray_address=ray_cluster.address,
+        node_ip=here,
+        transfer_timeout_s=TEST_TRANSFER_TIMEOUT_S,
+    )
     # Held for the session: Ray collects a named actor once no handle to it is left.
     registry = start_lease_registry(ray_settings.lease_registry, ray_settings.ray_namespace)
-    yield {"nixl": TransferSettings(backend="nixl", node_ip=here), "ray": ray_settings}
+    nixl_settings = TransferSettings(
+        backend="nixl", node_ip=here, transfer_timeout_s=TEST_TRANSFER_TIMEOUT_S
+    )
+    yield {"nixl": nixl_settings, "ray": ray_settings}
     del registry
 
 

@@ -233,3 +233,76 @@ async def test_the_lease_registry_comes_back_after_its_process_dies(
     assert after.num_failures == before.num_failures, (before, after)  # loaded, not recomputed
     assert await wait_idle(*pair, timeout=10)
     assert await live_leases(prefill) == 0
+
+
+def engine_pids(worker: PrefillWorker) -> set[int]:
+    """The processes of a served engine: its EngineCore and what runs under it (the worker
+    that holds the KV and, for nixl, the NIXL agent)."""
+    from tests.procs import descendants
+
+    cores = worker.engine.engine_core.resources.engine_manager.processes
+    return descendants(int(p.pid) for p in cores)
+
+
+@pytest.mark.parametrize(
+    "pd_case", [("nixl", "tiny"), ("ray", "tiny")], indirect=True, ids=["nixl-tiny", "ray-tiny"]
+)
+async def test_a_load_from_a_producer_that_stopped_answering_gives_up_at_its_deadline(
+    pd_case: tuple[str, str, Pair],
+) -> None:
+    """The prefill engine's processes are frozen (SIGSTOP) after its prefill and before decode
+    pulls the KV. nixl: the read waits on the producer's NIXL agent; it gives up at the
+    transfer deadline (`transfer_timeout_s`) instead of waiting for ever, decode recomputes
+    the prompt, and once the producer wakes its KV is freed (the decode side gives the failed
+    handoff back) without waiting for the lease. ray: the KV sits in the node's object store,
+    and the load does not need the frozen process. Either way the stream is the uninterrupted
+    run's."""
+    import os
+    import signal
+    import time
+
+    from tests.conftest import TEST_TRANSFER_TIMEOUT_S
+
+    backend, _, (prefill, decode) = pd_case
+    params = make_greedy(max_tokens=8, ignore_eos=True)
+    # A first transfer, so the NIXL handshake is behind us; and the uninterrupted run's tokens.
+    prompt = tuple((i * 7 + 3) % 400 + 50 for i in range(70))  # in the tiny model's vocabulary
+    reference = await run_pd(prefill, decode, make_request(prompt, params))
+    assert await wait_idle(prefill, decode, timeout=10)
+    request = make_request(tuple((i * 11 + 5) % 400 + 50 for i in range(70)), params)
+    expected = await run_pd(prefill, decode, replace(request, request_id="expected"))
+    assert len(reference) == len(expected) == 8
+    assert await wait_idle(prefill, decode, timeout=10)
+    # Now the same request again, from a producer that goes silent after its prefill.
+    result = await prefill.prefill(replace(request, request_id="frozen-producer"))
+    before = decode.stats.kv_loads
+    pids = engine_pids(prefill)
+    assert pids
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        tokens = [
+            t
+            async for event in decode.decode(
+                replace(request, request_id="frozen-producer"), result.handoff
+            )
+            for t in event.token_ids
+        ]
+        elapsed = time.monotonic() - started
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    print(f"\nload from a frozen {backend} producer: decode finished after {elapsed:.1f} s")
+    assert [result.first_token, *tokens] == expected
+    loads = decode.stats.kv_loads.minus(before)
+    if backend == "nixl":  # the read waits on the producer's NIXL agent, then gives up
+        assert TEST_TRANSFER_TIMEOUT_S <= elapsed < TEST_TRANSFER_TIMEOUT_S + 15
+        assert (loads.num_loads, loads.num_failures) == (1, 1), loads
+        assert loads.num_recomputed_tokens > 32, loads  # the prompt's blocks, computed here
+    else:  # ray: the KV is in the node's object store, which the frozen process does not serve
+        assert elapsed < TEST_TRANSFER_TIMEOUT_S
+        assert loads == KVLoadCounts(num_loads=1), loads
+    # The producer's KV is freed now it answers again, well before its 60 s lease.
+    assert await wait_idle(prefill, decode, timeout=15)
+    assert await live_leases(prefill) == 0
