@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from engine.async_engine import ServedEngine, start_async_engine
 from engine.messages import GenerationRequest, TokenEvent
 from engine.settings import EngineSettings
-from prefill_workers.replica import ReplicaSettings, ReplicaShell
+from prefill_workers.replica import PendingPrefill, ReplicaSettings, ReplicaShell
 
 
 class ColocatedEngine(ServedEngine):
@@ -35,25 +35,18 @@ class ColocatedServer(ReplicaShell):
     def __init__(self, settings: ReplicaSettings) -> None:
         self._engine = ColocatedEngine(settings.engine.resolve())
         self.start_engine(self._engine, settings.status)
-        self._pending_tokens = 0
+        self._pending = PendingPrefill()
 
     @property
     def num_pending_prefill_tokens(self) -> int:
-        return self._pending_tokens
+        return self._pending.num_tokens
 
     async def generate(
         self, request: GenerationRequest, avoid: tuple[str, ...] = ()
     ) -> AsyncIterator[TokenEvent]:
         """`avoid` is for the request router (replicas that failed this request)."""
-        self._pending_tokens += request.num_prompt_tokens
-        prefilled = False
-        try:
-            with self.failures_named():
-                async for event in self._engine.generate(request):
-                    if event.is_first:
-                        prefilled = True
-                        self._pending_tokens -= request.num_prompt_tokens
-                    yield event
-        finally:
-            if not prefilled:
-                self._pending_tokens -= request.num_prompt_tokens
+        with self.failures_named():
+            async for event in self._pending.counted(
+                request.num_prompt_tokens, self._engine.generate(request)
+            ):
+                yield event

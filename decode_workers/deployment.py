@@ -11,7 +11,7 @@ from engine.autoscaling_stats import DecodeWindow
 from engine.messages import GenerationRequest, KVHandoff, TokenEvent
 from engine.stats import KVLoadCounts
 from kv_transfer.endpoint import served_transfer_settings
-from prefill_workers.replica import ReplicaSettings, ReplicaShell
+from prefill_workers.replica import PendingPrefill, ReplicaSettings, ReplicaShell
 
 
 class DecodeServer(ReplicaShell):
@@ -23,6 +23,11 @@ class DecodeServer(ReplicaShell):
         self.start_engine(self._worker, settings.status)
         self._transfer_metrics = TransferMetrics(settings.app, self._worker.backend.name)
         self._window = DecodeWindow(settings.window_s, settings.percentile)
+        self._pending = PendingPrefill()  # the requests it prefills for itself
+
+    @property
+    def num_pending_prefill_tokens(self) -> int:
+        return self._pending.num_tokens
 
     def on_stats_tick(self) -> None:
         # Periodic (routing-stats period): export the KV transfers and loads since the last tick.
@@ -41,7 +46,8 @@ class DecodeServer(ReplicaShell):
     ) -> AsyncIterator[TokenEvent]:
         """The whole request here, prefill included (the router's choice when no prefill
         replica could take it); the first event carries the first token."""
-        async for event in self._timed(self._worker.generate(request)):
+        events = self._pending.counted(request.num_prompt_tokens, self._worker.generate(request))
+        async for event in self._timed(events):
             yield event
 
     async def _timed(self, events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:

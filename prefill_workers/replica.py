@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from engine.async_engine import ServedEngine
-from engine.messages import ReplicaFailure, ReplicaLoad
+from engine.messages import ReplicaFailure, ReplicaLoad, TokenEvent
 from engine.settings import EngineSpec
 from kv_transfer.base import TransferSettings
 
@@ -80,6 +80,30 @@ def pool_worker_id(pool: str, unique_id: str) -> str:
 def unique_id_of(worker_id: str) -> str:
     """The Serve replica's unique id in a `pool_worker_id` (pool names hold no '-')."""
     return worker_id.split("-", 1)[-1]
+
+
+class PendingPrefill:
+    """Prompt tokens accepted and not yet prefilled by a replica whose streams prefill too (the
+    colocated pool, and decode replicas prefilling for themselves): a request's tokens count
+    from its call until its first event, or until it ends without one."""
+
+    def __init__(self) -> None:
+        self.num_tokens = 0
+
+    async def counted(
+        self, num_tokens: int, events: AsyncIterator[TokenEvent]
+    ) -> AsyncIterator[TokenEvent]:
+        self.num_tokens += num_tokens
+        pending = True
+        try:
+            async for event in events:
+                if pending and event.is_first:
+                    self.num_tokens -= num_tokens
+                    pending = False
+                yield event
+        finally:
+            if pending:
+                self.num_tokens -= num_tokens
 
 
 class ReplicaShell:
