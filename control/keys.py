@@ -20,7 +20,9 @@ import re
 from dataclasses import dataclass
 
 POOLS = ("prefill", "decode")
-METRICS = ("ttft", "tpot", "queue_wait", "prefill", "kv_transfer")
+# Latencies in seconds, and `local_prefill`: 1 for a disaggregated request whose prompt its
+# decode replica computed itself, 0 for one the prefill pool computed (the split status shows).
+METRICS = ("ttft", "tpot", "queue_wait", "prefill", "kv_transfer", "local_prefill")
 KEY_ROOT = "pdserve"
 
 # No ':' (it separates key parts), no whitespace or braces (Redis Cluster hash tags).

@@ -213,6 +213,14 @@ class RouterConfig(_Strict):
         "tokens is prefilled on its decode replica itself, with no KV transfer (0: every "
         "request goes to the prefill pool); counted in pdserve_pd_decisions_total{path}",
     )
+    adaptive_prefill: bool = Field(
+        False,
+        description="disaggregated topology: each new request is prefilled where its predicted "
+        "TTFT is lower, on its decode replica (no KV transfer) or on the prefill pool, while "
+        "the decode replica's streams stay within autoscaling.tpot_p95_s (router/"
+        "pd_decision.py); counted in pdserve_pd_decisions_total{path}. Instead of "
+        "local_prefill_max_tokens",
+    )
     request_timeout_s: float = Field(
         600.0,
         gt=0,
@@ -289,6 +297,11 @@ class AppConfig(_Strict):
     def _limits(self) -> AppConfig:
         if self.router.default_max_tokens > self.router.max_tokens_limit:
             raise ValueError("router.default_max_tokens must be <= router.max_tokens_limit")
+        if self.router.adaptive_prefill and self.router.local_prefill_max_tokens:
+            raise ValueError(
+                "router.adaptive_prefill and router.local_prefill_max_tokens: choose one way "
+                "to decide where prompts are prefilled"
+            )
         if self.engine.block_size is not None and self.engine.block_size < 1:
             raise ValueError("engine.block_size must be >= 1")
         if (self.engine.sim is not None) != (self.kv_transfer.backend == "sim"):

@@ -20,6 +20,7 @@ from engine.messages import ReplicaLoad
 
 PERCENTILES = (50.0, 95.0, 99.0)
 METRICS = ("ttft", "tpot", "queue_wait", "prefill", "kv_transfer")
+SPLIT_METRIC = "local_prefill"  # 1 or 0 per disaggregated request (control/keys.py)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -29,6 +30,21 @@ def percentile(values: Sequence[float], q: float) -> float:
     low = int(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def prefill_split(samples: Mapping[str, list[float]]) -> tuple[int, float] | None:
+    """Of the last disaggregated requests: how many, and the share whose prompt was computed
+    on the decode replica itself. None before the first."""
+    values = samples.get(SPLIT_METRIC, [])
+    return (len(values), sum(values) / len(values)) if values else None
+
+
+def format_split(samples: Mapping[str, list[float]]) -> list[str]:
+    split = prefill_split(samples)
+    if split is None:
+        return ["  (no disaggregated request yet)"]
+    n, local = split
+    return [f"  last {n} requests: {local:.0%} on their decode replica, {1 - local:.0%} remote"]
 
 
 def format_latencies(samples: dict[str, list[float]]) -> list[str]:
@@ -49,7 +65,7 @@ async def _from_redis(redis_url: str, app: str) -> tuple[dict[str, list[float]],
 
     store = await ControlStore.connect(redis_url, app)
     try:
-        samples = {m: await store.recent_samples(m, 1000) for m in METRICS}
+        samples = {m: await store.recent_samples(m, 1000) for m in (*METRICS, SPLIT_METRIC)}
         replicas = [r for pool in POOLS for r in await store.replica_loads(pool)]
         return samples, replicas
     finally:
@@ -247,6 +263,8 @@ def format_status(report: StatusReport) -> list[str]:
     lines += format_decisions(report.latest)
     lines.append("recent latencies (last 1000 requests)")
     lines += format_latencies(report.samples)
+    lines.append("where prompts were prefilled")
+    lines += format_split(report.samples)
     return lines
 
 
@@ -280,6 +298,9 @@ def status_json(report: StatusReport) -> dict[str, object]:
         "decisions": [asdict(d) for d in report.decisions],
         "latest": [asdict(d) for d in report.latest],
         "latencies": latencies,
+        "prefill_split": None
+        if (split := prefill_split(report.samples)) is None
+        else {"n": split[0], "local_share": split[1]},
     }
 
 

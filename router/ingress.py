@@ -49,7 +49,9 @@ from router.openai_api import (
     unauthenticated_response,
 )
 from router.openai_fields import sampling_defaults
-from router.policy import LocalPrefill
+from router.pd_decision import PDDecider
+from router.policy import LocalPrefill, PredictedPrefill
+from router.pool_view import POOL_VIEW
 from router.pools import ColocatedEngines, DisaggregatedEngines
 from router.service import (
     Caller,
@@ -59,6 +61,7 @@ from router.service import (
     PreparedRequest,
     RouterService,
     StreamChunk,
+    Usage,
 )
 from router.timings import RequestTimings
 from router.validation import InvalidRequest, RequestLimits
@@ -120,6 +123,23 @@ class RouterSettings:
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
     request_timeout_s: float = 600.0
     local_prefill_max_tokens: int = 0
+    # router.adaptive_prefill: the decode streams' TPOT target the decision keeps; None: off.
+    adaptive_prefill_tpot_s: float | None = None
+
+
+def _prefill_placement(
+    settings: RouterSettings, metrics: RouterMetrics
+) -> LocalPrefill | PredictedPrefill | None:
+    """Where new requests are prefilled (disaggregated topology): by predicted TTFT, by a
+    prompt-length threshold, or (None) always on the prefill pool."""
+    if settings.colocated:
+        return None
+    if settings.adaptive_prefill_tpot_s is not None:
+        decider = PDDecider(settings.adaptive_prefill_tpot_s)
+        return PredictedPrefill(decider, POOL_VIEW, metrics.count_decision)
+    if settings.local_prefill_max_tokens:
+        return LocalPrefill(settings.local_prefill_max_tokens, metrics.count_decision)
+    return None
 
 
 def _router_replica_id() -> str:
@@ -138,6 +158,7 @@ class Router:
         self.model_id = settings.served_name or model_path.name
         tokenizer = load_tokenizer(str(model_path))
         self.metrics = RouterMetrics(settings.app)
+        self.placement = _prefill_placement(settings, self.metrics)
         engines: EngineStream
         if settings.colocated:
             engines = ColocatedEngines(
@@ -150,11 +171,7 @@ class Router:
                 settings.release_is_idempotent,
                 settings.max_migrations,
                 on_move=self.metrics.count_migration,
-                local_prefill=LocalPrefill(
-                    settings.local_prefill_max_tokens, self.metrics.count_decision
-                )
-                if settings.local_prefill_max_tokens
-                else None,
+                local_prefill=self.placement,
             )
         url = settings.control_url
         self.store = ControlStore.from_url(url, settings.app) if url else None
@@ -182,8 +199,17 @@ class Router:
         )
         self._background: set[asyncio.Task[Any]] = set()
 
-    def _on_finish(self, outcome: str, timings: RequestTimings | None, num_tokens: int) -> None:
+    def _on_finish(self, outcome: str, timings: RequestTimings | None, usage: Usage) -> None:
         self.metrics.observe(outcome, timings)
+        num_tokens = usage.completion_tokens
+        if timings is not None and isinstance(self.placement, PredictedPrefill):
+            self.placement.decider.observe(
+                usage.prompt_tokens,
+                timings.prefill_s,
+                timings.kv_transfer_s if timings.decode_start_s > 0 else None,
+                timings.mean_tpot_s if num_tokens > 1 else None,
+                num_tokens,
+            )
         if timings is None or self.store is None:
             return
         values = {
@@ -192,6 +218,10 @@ class Router:
             "queue_wait": timings.queue_wait_s,
             "prefill": timings.prefill_s,
             "kv_transfer": timings.kv_transfer_s if timings.decode_start_s > 0 else None,
+            # Where the prompt was computed (`pdserve status` shows the split).
+            "local_prefill": None
+            if self.settings.colocated
+            else float(timings.prefill_replica.startswith("decode")),
         }
         store = self.store
         task = asyncio.ensure_future(self._samples.run(lambda: _record_samples(store, values)))

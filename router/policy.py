@@ -13,12 +13,18 @@ the fewest running sequences. When none fits, the result says whether waiting ca
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
 from engine.messages import GenerationRequest
+from router.pd_decision import PDDecider, PDDecision, PDInputs, PoolSnapshot
 from router.prefix import BlockHash, PrefixLookup
+
+# A child of Serve's logger, so decisions land in the Router replica's log at INFO.
+decision_logger = logging.getLogger("ray.serve.pdserve.prefill")
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,12 @@ def choose_decode_replica(
     return DecodeChoice(best.replica_id, DecodeReason.MOST_FREE_BLOCKS)
 
 
+class PrefillPlacement(Protocol):
+    """The router's choice for a new request: True prefills it on its decode replica."""
+
+    def decide(self, request: GenerationRequest) -> bool: ...
+
+
 class LocalPrefill:
     """Where a new request is prefilled: on a decode replica itself ("local", no KV transfer)
     when its prompt is at most `max_tokens` tokens, else on the prefill pool ("remote"). Short
@@ -164,3 +176,48 @@ class LocalPrefill:
         if self._on_decision is not None:
             self._on_decision("local" if local else "remote")
         return local
+
+
+class PoolLoads(Protocol):
+    """The pools' last reported loads (router/pool_view.py)."""
+
+    def prefill(self, prompt_token_ids: Sequence[int]) -> tuple[PoolSnapshot | None, int]: ...
+
+    def decode(self) -> PoolSnapshot | None: ...
+
+
+class PredictedPrefill:
+    """`router.adaptive_prefill`: where each new request is prefilled, by the predicted-TTFT
+    decision of router/pd_decision.py on the pools' loads in `pools`. `on_decision(path)`
+    counts each choice; each is logged with its inputs (at INFO when its reason changes, else
+    at DEBUG); `observe` feeds the decider each finished request."""
+
+    def __init__(
+        self,
+        decider: PDDecider,
+        pools: PoolLoads,
+        on_decision: Callable[[str], None] | None = None,
+    ) -> None:
+        self.decider = decider
+        self._pools = pools
+        self._on_decision = on_decision
+        self.last: PDDecision | None = None
+
+    def decide(self, request: GenerationRequest) -> bool:
+        prefill, cached = self._pools.prefill(request.prompt_token_ids)
+        inputs = PDInputs(request.num_prompt_tokens, cached, prefill, self._pools.decode())
+        decision = self.decider.decide(inputs)
+        changed = self.last is None or self.last.reason != decision.reason
+        decision_logger.log(
+            logging.INFO if changed else logging.DEBUG,
+            "prefill of %s (%d tokens, %d cached on the prefill side): %s; inputs %s",
+            request.request_id,
+            request.num_prompt_tokens,
+            cached,
+            decision.describe(),
+            inputs,
+        )
+        self.last = decision
+        if self._on_decision is not None:
+            self._on_decision(decision.path)
+        return decision.path == "local"

@@ -18,7 +18,7 @@ from router.lifecycle import (
     generate_colocated,
     generate_disaggregated,
 )
-from router.policy import LocalPrefill
+from router.policy import PrefillPlacement
 
 
 class RecentFailures:
@@ -143,7 +143,7 @@ class DisaggregatedEngines:
         release_is_idempotent: bool,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         on_move: Callable[[], None] | None = None,
-        local_prefill: LocalPrefill | None = None,
+        local_prefill: PrefillPlacement | None = None,
     ) -> None:
         self._moves = _Moves(on_move)
         self._prefill = PrefillPool(prefill_handle, self._moves.failures)

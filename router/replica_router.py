@@ -28,6 +28,10 @@ from control.store import ControlStore
 from engine.messages import GenerationRequest, ReplicaLoad
 from kv_transfer.blocks import num_blocks_for
 from prefill_workers.replica import unique_id_of
+
+# Through the module: Serve pickles this module by value into each handle's router, which
+# would give every copy a view of its own (router/pool_view.py).
+from router import pool_view
 from router.policy import (
     DecodeReplicaState,
     PrefillReplicaState,
@@ -184,6 +188,7 @@ class PrefillRequestRouter(RequestRouter):
         self._block_size = block_size
         self._prefix_ttl_s = prefix_ttl_s
         self._local_index = PrefixIndex(ttl_seconds=prefix_ttl_s)
+        pool_view.POOL_VIEW.use_prefix_index(self._local_index, block_size)
         if redis_url is None and redis_url_env:
             redis_url = os.environ.get(redis_url_env)
             if not redis_url:
@@ -202,6 +207,7 @@ class PrefillRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         request = _request_of(pending_request)
         loads = _loads(candidate_replicas)
+        pool_view.POOL_VIEW.update("prefill", loads.values())
         candidate_replicas = _usable(candidate_replicas, loads, pending_request)
         if request is None or not candidate_replicas:
             return [candidate_replicas]
@@ -242,6 +248,7 @@ class DecodeRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         request = _request_of(pending_request)
         loads = _loads(candidate_replicas)
+        pool_view.POOL_VIEW.update("decode", loads.values())
         candidate_replicas = _usable(candidate_replicas, loads, pending_request)
         reported = [
             (r, load)

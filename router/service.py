@@ -98,7 +98,7 @@ class PreparedRequest:
 # admission (no timings): "invalid" (400),
 # "unauthenticated" (401), "too_large" (413), "overloaded" (429).
 Outcome = str
-FinishHook = Callable[[Outcome, RequestTimings | None, int], None]
+FinishHook = Callable[[Outcome, RequestTimings | None, Usage], None]
 
 
 # Prompts up to this many characters are tokenized on the event loop (well under a
@@ -148,7 +148,7 @@ class RouterService:
     def record_refusal(self, outcome: Outcome) -> None:
         """Count a request refused before it reached the engines (see `Outcome`)."""
         if self._on_finish is not None:
-            self._on_finish(outcome, None, 0)
+            self._on_finish(outcome, None, Usage(0, 0))
 
     def prepare(
         self, body: dict[str, Any], request_id: str = "", caller: Caller | None = None
@@ -312,5 +312,7 @@ class RouterService:
             self._state = release(self._state, ticket)
             if self._on_finish is not None:
                 self._on_finish(
-                    outcome, clock.finish() if outcome == "ok" else None, clock.num_tokens
+                    outcome,
+                    clock.finish() if outcome == "ok" else None,
+                    Usage(request.num_prompt_tokens, clock.num_tokens),
                 )

@@ -5,12 +5,15 @@ predicted by the profile's numbers, and the tokens by the sim's pure token funct
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from api.client import acollect, collect
+from control.redis_server import RedisServer
 from deploy.config import AppConfig, with_sim_engine
 from engine.sim.profile import load_link, load_profile
 from tests.e2e.conftest import APP_TIMEOUT_S, ServedApp, ServeProxy
@@ -163,3 +166,176 @@ def test_sim_replicas_load_neither_vllm_nor_torch(sim_apps: dict[str, ServedApp]
                 assert imported == [], (name, imported[:5])
                 maps = Path(f"/proc/{pid}/maps").read_text()
                 assert "libtorch" not in maps, name
+
+
+@pytest.fixture(scope="module")
+def adaptive_app(serve_proxy: ServeProxy) -> Iterator[ServedApp]:
+    """A disaggregated sim app whose router decides where each prompt is prefilled
+    (`router.adaptive_prefill`), keeping decode streams within a 0.2 s TPOT."""
+    from ray import serve
+    from ray.serve import api as serve_api
+
+    from deploy.app import build_app
+    from deploy.up import wait_serving
+
+    data = sim_config("sim-adaptive", "disaggregated").model_dump()
+    data["router"]["adaptive_prefill"] = True
+    data["engine"]["kv_cache_memory_bytes"] = 256 * 1024**2  # a 1,500-token prompt beside 4 streams
+    data["autoscaling"]["tpot_p95_s"] = 0.2
+    app = ServedApp(
+        "adaptive", AppConfig.model_validate(data), serve_proxy.grpc_target, serve_proxy.http_port
+    )
+    serve_api._run(
+        build_app(app.config), name=app.name, route_prefix=f"/{app.name}", _blocking=False
+    )
+    wait_serving(app.name, APP_TIMEOUT_S)
+    yield app
+    serve.delete(app.name)
+
+
+def prefilled_on(done: Any) -> str:
+    """Which pool computed the prompt: "decode" (locally) or "prefill"."""
+    return str(done.timings.prefill_replica).split("-", 1)[0]
+
+
+def test_adaptive_prefill_learns_then_picks_the_path_per_request(adaptive_app: ServedApp) -> None:
+    """With no transfer rate fitted, one request in 4 goes to the prefill pool to measure it
+    and the rest stay local; then on an idle system every prompt stays local (a transfer only
+    adds time). With 4 long streams decoding, a 1,500-token prompt (3.1 s of compute on the
+    profile) would stall them past what their 0.2 s TPOT allows, so it goes to the prefill
+    pool, while a 400-token one still fits and stays local. Every decision is counted."""
+    import threading
+
+    from tests.e2e.metrics import wait_metric
+
+    app = adaptive_app
+    with app.client() as client:
+        paths = []
+        for i in range(12):
+            done = collect(client.generate(f"{i} " + PROMPT[:400], max_tokens=16, ignore_eos=True))
+            paths.append(prefilled_on(done))
+    assert paths == ["prefill", "decode", "decode", "decode"] * 2 + ["prefill"] + ["decode"] * 3
+
+    stop = threading.Event()
+    started = [threading.Event() for _ in range(4)]
+
+    def long_stream(i: int) -> None:
+        with app.client() as client:
+            for _ in client.generate(f"long {i}", max_tokens=400, ignore_eos=True):
+                started[i].set()
+                if stop.is_set():
+                    return
+
+    streams = [threading.Thread(target=long_stream, args=(i,), daemon=True) for i in range(4)]
+    try:
+        # One after another, so no stream's prompt is in a queue when the next is placed.
+        for thread, first_token in zip(streams, started, strict=True):
+            thread.start()
+            assert first_token.wait(30)
+        time.sleep(2.0)
+        with app.client() as client:
+            # A short request first: its routing call shows the router the 4 running streams.
+            assert prefilled_on(collect(client.generate("probe", max_tokens=2))) == "decode"
+            done = collect(client.generate(PROMPT * 4, max_tokens=2, ignore_eos=True))
+            assert done.usage.prompt_tokens > 1500
+            assert prefilled_on(done) == "prefill"
+            # Not a prefix of the long one (its blocks on the prefill replica would favour it).
+            medium_prompt = "A medium prompt that no replica has seen. " * 15
+            medium = collect(client.generate(medium_prompt, max_tokens=2, ignore_eos=True))
+            assert 200 < medium.usage.prompt_tokens < 600
+            assert prefilled_on(medium) == "decode"
+    finally:
+        stop.set()
+        for thread in streams:
+            thread.join(timeout=60)
+    name = "pdserve_pd_decisions_total"
+    assert wait_metric(name, 4, app=app.config.name, path="remote") == 4
+    # Local: 9 while learning, the 4 long streams' short prompts, the probe and the medium one.
+    assert wait_metric(name, 15, app=app.config.name, path="local") == 15
+
+
+TPOT_APP = "sim-tpot"
+
+
+@pytest.fixture(scope="module")
+def tpot_app(serve_proxy: ServeProxy, redis_server: RedisServer) -> Iterator[ServedApp]:
+    """A sim app whose pools autoscale (1 to 2 replicas each) against a TPOT target below the
+    profile's decode step (59 ms for one stream): any decoding breaches it; TTFT's is loose."""
+    from ray import serve
+    from ray.serve import api as serve_api
+
+    from deploy.app import build_app
+    from deploy.up import wait_serving
+
+    data = sim_config(TPOT_APP, "disaggregated").model_dump()
+    for pool in ("prefill", "decode"):
+        data[pool] |= {"min_replicas": 1, "max_replicas": 2}
+    data["control"] = {"redis_url": redis_server.url}
+    data["autoscaling"] |= {
+        "enabled": True,
+        "ttft_p95_s": 60.0,
+        "tpot_p95_s": 0.05,
+        "tick_s": 1.0,
+        "window_s": 5.0,
+        "upscale_cooldown_s": 5.0,
+    }
+    app = ServedApp(
+        "tpot", AppConfig.model_validate(data), serve_proxy.grpc_target, serve_proxy.http_port
+    )
+    serve_api._run(
+        build_app(app.config), name=app.name, route_prefix=f"/{app.name}", _blocking=False
+    )
+    wait_serving(app.name, APP_TIMEOUT_S)
+    yield app
+    serve.delete(app.name)
+
+
+def _running(app: str, deployment: str) -> int:
+    from ray import serve
+
+    states = serve.status().applications[app].deployments[deployment].replica_states
+    return int(states.get("RUNNING", 0))
+
+
+def test_the_decode_pool_scales_on_tpot_live(
+    tpot_app: ServedApp, redis_server: RedisServer
+) -> None:
+    """A decode-heavy burst (6 streams of 80 tokens, back to back) on the live Serve app: the
+    decode pool's TPOT P95 passes its target, the decode policy scales 1 -> 2 and says why,
+    and the prefill pool, within its TTFT target, stays at 1."""
+    import threading
+
+    from control.sync_store import SyncControlStore
+
+    assert (_running(TPOT_APP, "Prefill"), _running(TPOT_APP, "Decode")) == (1, 1)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def streams(i: int) -> None:
+        try:
+            with tpot_app.client() as client:
+                while not stop.is_set():
+                    collect(client.generate(f"decode-heavy {i}", max_tokens=80, ignore_eos=True))
+        except BaseException as exc:
+            errors.append(exc)
+
+    load = [threading.Thread(target=streams, args=(i,), daemon=True) for i in range(6)]
+    for thread in load:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while _running(TPOT_APP, "Decode") < 2:
+            assert time.monotonic() < deadline, "decode did not scale to 2 within 120 s"
+            time.sleep(1.0)
+    finally:
+        stop.set()
+        for thread in load:
+            thread.join(timeout=60)
+    assert not errors, errors[:1]
+    assert _running(TPOT_APP, "Prefill") == 1
+    with SyncControlStore.connect(redis_server.url, TPOT_APP) as store:
+        ups = [d for d in store.recent_decisions(50, pool="decode") if d.target_replicas == 2]
+        prefill = store.recent_decisions(50, pool="prefill")
+    assert ups and "TPOT P95" in ups[-1].reason, ups
+    assert ups[-1].inputs["tpot_p95_s"] > 0.05, ups[-1].inputs
+    assert all(d.target_replicas == 1 for d in prefill), prefill

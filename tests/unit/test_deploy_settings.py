@@ -87,6 +87,17 @@ def test_router_settings() -> None:
     assert router_settings(make_config(topology="colocated")).colocated
 
 
+def test_adaptive_prefill_keeps_the_tpot_slo_and_excludes_the_threshold() -> None:
+    adaptive = make_config(
+        router={"adaptive_prefill": True},
+        autoscaling={"window_s": 20, "percentile": 90, "tpot_p95_s": 0.15},
+    )
+    assert router_settings(adaptive).adaptive_prefill_tpot_s == 0.15
+    assert router_settings(make_config()).adaptive_prefill_tpot_s is None
+    with pytest.raises(ValueError, match=r"router.adaptive_prefill and router.local_prefill_max"):
+        make_config(router={"adaptive_prefill": True, "local_prefill_max_tokens": 64})
+
+
 @pytest.mark.parametrize("topology", ["disaggregated", "colocated"])
 def test_every_deployment_is_bound_to_a_settings_record(topology: str) -> None:
     config = make_config(topology=topology)

@@ -106,3 +106,13 @@ def test_status_warns_of_failed_kv_loads_and_dead_engines() -> None:
         "WARNING: 3 of 8 KV loads failed; decode recomputed 139 prompt tokens (see "
         "pdserve_kv_load_failures_total and the decode replicas' logs)"
     ]
+
+
+def test_the_prefill_split_is_the_share_computed_on_decode_replicas() -> None:
+    from deploy.status import format_split, prefill_split
+
+    assert prefill_split({}) is None
+    assert format_split({}) == ["  (no disaggregated request yet)"]
+    samples = {"local_prefill": [1.0, 0.0, 1.0, 1.0]}
+    assert prefill_split(samples) == (4, 0.75)
+    assert format_split(samples) == ["  last 4 requests: 75% on their decode replica, 25% remote"]

@@ -36,7 +36,9 @@ def make_service(
         AdmissionLimits(max_in_flight=max_in_flight, max_queued_prompt_tokens=1024),
         max_model_len,
         FakeEngines(prefill or FakePrefill(), decode or FakeDecode()),
-        on_finish=lambda outcome, timings, n: finished.append((outcome, timings, n)),
+        on_finish=lambda outcome, timings, usage: finished.append(
+            (outcome, timings, usage.completion_tokens)
+        ),
     )
     return service, finished
 
@@ -297,7 +299,9 @@ async def test_a_request_past_its_deadline_ends_deadline_exceeded_and_frees_its_
         AdmissionLimits(max_in_flight=8, max_queued_prompt_tokens=1024),
         64,
         FakeEngines(FakePrefill(), FakeDecode("orld", gate=asyncio.Event(), gate_at=2)),
-        on_finish=lambda outcome, timings, n: finished.append((outcome, timings, n)),
+        on_finish=lambda outcome, timings, usage: finished.append(
+            (outcome, timings, usage.completion_tokens)
+        ),
         request_timeout_s=0.3,
     )
     chunks: list[StreamChunk] = []
