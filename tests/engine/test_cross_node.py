@@ -1,7 +1,7 @@
 """The KV crosses a host boundary: prefill in an actor on host b, decode on host c (network
 namespaces with their own addresses and loopbacks, Ray nodes of one cluster), for each backend,
 on the default model, against the monolithic engine and transformers; and the decode engine
-loaded the prompt's KV rather than computing it."""
+loaded the prompt's KV rather than computing it. Then host b's link is cut before a read."""
 
 from __future__ import annotations
 
@@ -104,6 +104,57 @@ def test_kv_crosses_hosts(
         loads = ray.get(decode.kv_loads.remote())
         assert loads == KVLoadCounts(num_loads=len(lengths)), loads
         assert ray.get(prefill.is_idle.remote()) and ray.get(decode.is_idle.remote())
+        _load_across_a_cut_link(transfer, hosts, prefill, decode, default_engine, params)
     finally:
         ray.kill(prefill)
         ray.kill(decode)
+
+
+def _load_across_a_cut_link(
+    transfer: TransferSettings,
+    hosts: Any,
+    prefill: Any,
+    decode: Any,
+    engine: LocalEngine,
+    params: Any,
+) -> None:
+    """Host b's link is cut (`ip link set ... down`) after its prefill and before decode on
+    host c reads the KV, and comes back after the transfer deadline: the read gives up at
+    `transfer_timeout_s`, decode recomputes the prompt and answers the monolithic engine's
+    tokens, and once the link is back both engines are idle (the producer's blocks were given
+    back) and no lease is left. The cut stays well under Ray's node health timeout."""
+    import time
+
+    import ray
+
+    from tests.conftest import TEST_TRANSFER_TIMEOUT_S
+
+    backend = transfer.backend
+    prompt = prompt_of_length(engine.tokenizer, 300)
+    request = GenerationRequest(f"xhost-{backend}-cut", prompt, params)
+    result = ray.get(prefill.prefill.remote(request), timeout=120)
+    before = ray.get(decode.kv_loads.remote())
+    hosts.set_link("b", up=False)
+    try:
+        started = time.monotonic()
+        answer = decode.decode.remote(request, result.handoff)
+        ready, _ = ray.wait([answer], timeout=TEST_TRANSFER_TIMEOUT_S + 20)
+        elapsed = time.monotonic() - started
+    finally:
+        hosts.set_link("b", up=True)
+    print(f"\n{backend}: decode across a cut link answered after {elapsed:.1f} s")
+    assert ready, f"decode across a cut link did not answer within {elapsed:.0f} s"
+    got = [result.first_token, *ray.get(answer)]
+    assert got == engine.generate([list(prompt)], params)[0].token_ids
+    assert TEST_TRANSFER_TIMEOUT_S <= elapsed < TEST_TRANSFER_TIMEOUT_S + 20
+    loads = ray.get(decode.kv_loads.remote()).minus(before)
+    assert (loads.num_loads, loads.num_failures) == (1, 1), loads
+    deadline = time.monotonic() + 30
+    while not (ray.get(prefill.is_idle.remote()) and ray.get(decode.is_idle.remote())):
+        assert time.monotonic() < deadline, "KV blocks still held 30 s after the link came back"
+        time.sleep(0.5)
+    if backend == "ray":
+        from kv_transfer.ray_lease import get_lease_registry
+
+        registry = get_lease_registry(transfer.lease_registry, transfer.ray_namespace)
+        assert ray.get(registry.num_live.remote(), timeout=30) == 0
