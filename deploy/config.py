@@ -228,6 +228,12 @@ class RouterConfig(_Strict):
         "call ends: gRPC DEADLINE_EXCEEDED, HTTP 504 or an SSE error event (a gRPC client's "
         "own deadline ends the call sooner: Serve's proxy cancels it)",
     )
+    key_limit_timeout_s: float = Field(
+        0.1,
+        gt=0,
+        description="longest a per-key limit check waits for Redis; past it the request is "
+        "served without the key's limits (Redis is kept off the request path)",
+    )
     api_keys_file: str | None = Field(
         None,
         description="file of hashed API keys (router/auth.py) callers must present; "

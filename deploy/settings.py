@@ -84,6 +84,7 @@ def router_settings(config: AppConfig, release_is_idempotent: bool = False) -> R
         max_migrations=router.max_migrations,
         request_timeout_s=router.request_timeout_s,
         local_prefill_max_tokens=router.local_prefill_max_tokens,
+        key_limit_timeout_s=router.key_limit_timeout_s,
         adaptive_prefill_tpot_s=config.autoscaling.tpot_p95_s if router.adaptive_prefill else None,
     )
 

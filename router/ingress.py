@@ -38,7 +38,7 @@ from engine.models import resolve_model
 from engine.prompts import load_tokenizer
 from router.admission import AdmissionLimits
 from router.auth import ApiKeys, Unauthenticated, bearer_token
-from router.key_limits import LocalKeyLimiter, SharedKeyLimiter
+from router.key_limits import ACQUIRE_TIMEOUT_S, LocalKeyLimiter, SharedKeyLimiter
 from router.lifecycle import DEFAULT_MAX_MIGRATIONS, StreamInterrupted
 from router.metrics import RouterMetrics
 from router.openai_api import (
@@ -123,6 +123,7 @@ class RouterSettings:
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
     request_timeout_s: float = 600.0
     local_prefill_max_tokens: int = 0
+    key_limit_timeout_s: float = ACQUIRE_TIMEOUT_S
     # router.adaptive_prefill: the decode streams' TPOT target the decision keeps; None: off.
     adaptive_prefill_tpot_s: float | None = None
 
@@ -193,7 +194,9 @@ class Router:
             engines,
             on_finish=self._on_finish,
             replica_id=_router_replica_id(),
-            key_limiter=SharedKeyLimiter(self.store) if self.store else LocalKeyLimiter(),
+            key_limiter=SharedKeyLimiter(self.store, timeout_s=settings.key_limit_timeout_s)
+            if self.store
+            else LocalKeyLimiter(),
             request_timeout_s=settings.request_timeout_s,
             openai_defaults=sampling_defaults(model_path),
         )

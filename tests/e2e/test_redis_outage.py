@@ -26,7 +26,7 @@ from control.records import DecisionRecord
 from control.redis_server import RedisServer, restart_redis_server, start_redis_server
 from control.sync_store import SyncControlStore
 from deploy.config import AppConfig, with_sim_engine
-from tests.e2e.conftest import APP_TIMEOUT_S, ServedApp, ServeProxy
+from tests.e2e.conftest import ServedApp, ServeProxy, deployed
 from tests.hosts import Hosts
 
 APP = "redis-outage"
@@ -64,12 +64,6 @@ def outage_redis(
 
 @pytest.fixture(scope="module")
 def outage_app(serve_proxy: ServeProxy, outage_redis: list[RedisServer]) -> Iterator[ServedApp]:
-    from ray import serve
-    from ray.serve import api as serve_api
-
-    from deploy.app import build_app
-    from deploy.up import wait_serving
-
     base = AppConfig.model_validate(
         {
             "name": APP,
@@ -82,10 +76,8 @@ def outage_app(serve_proxy: ServeProxy, outage_redis: list[RedisServer]) -> Iter
         }
     )
     config = AppConfig.model_validate(with_sim_engine(base.model_dump(), "cpu-smollm2"))
-    serve_api._run(build_app(config), name=APP, route_prefix=f"/{APP}", _blocking=False)
-    wait_serving(APP, APP_TIMEOUT_S)
-    yield ServedApp(APP, config, serve_proxy.grpc_target, serve_proxy.http_port)
-    serve.delete(APP)
+    with deployed(APP, config, serve_proxy) as app:
+        yield app
 
 
 async def _load(

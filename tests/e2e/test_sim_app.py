@@ -16,7 +16,7 @@ from api.client import acollect, collect
 from control.redis_server import RedisServer
 from deploy.config import AppConfig, with_sim_engine
 from engine.sim.profile import load_link, load_profile
-from tests.e2e.conftest import APP_TIMEOUT_S, ServedApp, ServeProxy
+from tests.e2e.conftest import APP_TIMEOUT_S, ServedApp, ServeProxy, deployed
 
 PROFILE = load_profile("cpu-smollm2")
 LINK = load_link(PROFILE.default_link)
@@ -172,25 +172,12 @@ def test_sim_replicas_load_neither_vllm_nor_torch(sim_apps: dict[str, ServedApp]
 def adaptive_app(serve_proxy: ServeProxy) -> Iterator[ServedApp]:
     """A disaggregated sim app whose router decides where each prompt is prefilled
     (`router.adaptive_prefill`), keeping decode streams within a 0.2 s TPOT."""
-    from ray import serve
-    from ray.serve import api as serve_api
-
-    from deploy.app import build_app
-    from deploy.up import wait_serving
-
     data = sim_config("sim-adaptive", "disaggregated").model_dump()
     data["router"]["adaptive_prefill"] = True
     data["engine"]["kv_cache_memory_bytes"] = 256 * 1024**2  # a 1,500-token prompt beside 4 streams
     data["autoscaling"]["tpot_p95_s"] = 0.2
-    app = ServedApp(
-        "adaptive", AppConfig.model_validate(data), serve_proxy.grpc_target, serve_proxy.http_port
-    )
-    serve_api._run(
-        build_app(app.config), name=app.name, route_prefix=f"/{app.name}", _blocking=False
-    )
-    wait_serving(app.name, APP_TIMEOUT_S)
-    yield app
-    serve.delete(app.name)
+    with deployed("adaptive", AppConfig.model_validate(data), serve_proxy) as app:
+        yield app
 
 
 def prefilled_on(done: Any) -> str:
@@ -261,12 +248,6 @@ TPOT_APP = "sim-tpot"
 def tpot_app(serve_proxy: ServeProxy, redis_server: RedisServer) -> Iterator[ServedApp]:
     """A sim app whose pools autoscale (1 to 2 replicas each) against a TPOT target below the
     profile's decode step (59 ms for one stream): any decoding breaches it; TTFT's is loose."""
-    from ray import serve
-    from ray.serve import api as serve_api
-
-    from deploy.app import build_app
-    from deploy.up import wait_serving
-
     data = sim_config(TPOT_APP, "disaggregated").model_dump()
     for pool in ("prefill", "decode"):
         data[pool] |= {"min_replicas": 1, "max_replicas": 2}
@@ -279,15 +260,8 @@ def tpot_app(serve_proxy: ServeProxy, redis_server: RedisServer) -> Iterator[Ser
         "window_s": 5.0,
         "upscale_cooldown_s": 5.0,
     }
-    app = ServedApp(
-        "tpot", AppConfig.model_validate(data), serve_proxy.grpc_target, serve_proxy.http_port
-    )
-    serve_api._run(
-        build_app(app.config), name=app.name, route_prefix=f"/{app.name}", _blocking=False
-    )
-    wait_serving(app.name, APP_TIMEOUT_S)
-    yield app
-    serve.delete(app.name)
+    with deployed("tpot", AppConfig.model_validate(data), serve_proxy) as app:
+        yield app
 
 
 def _running(app: str, deployment: str) -> int:
