@@ -51,6 +51,8 @@ class LinearFit:
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
         self._min_samples = min_samples
         self._fallback = fallback
+        # The line of the current samples: fitted once per sample, read on every decision.
+        self._line: tuple[float, float] | None = None
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -58,9 +60,13 @@ class LinearFit:
     def add(self, tokens: float, seconds: float) -> None:
         if tokens > 0 and seconds >= 0:
             self._samples.append((float(tokens), float(seconds)))
+            self._line = self._fit()
 
     def line(self) -> tuple[float, float] | None:
         """(intercept, slope), or None before `min_samples`."""
+        return self._line
+
+    def _fit(self) -> tuple[float, float] | None:
         if len(self._samples) < self._min_samples:
             return None
         n = len(self._samples)
