@@ -22,7 +22,8 @@ from dataclasses import dataclass
 POOLS = ("prefill", "decode")
 # Latencies in seconds, and `local_prefill`: 1 for a disaggregated request whose prompt its
 # decode replica computed itself, 0 for one the prefill pool computed (the split status shows).
-METRICS = ("ttft", "tpot", "queue_wait", "prefill", "kv_transfer", "local_prefill")
+LOCAL_PREFILL_METRIC = "local_prefill"
+METRICS = ("ttft", "tpot", "queue_wait", "prefill", "kv_transfer", LOCAL_PREFILL_METRIC)
 KEY_ROOT = "pdserve"
 
 # No ':' (it separates key parts), no whitespace or braces (Redis Cluster hash tags).

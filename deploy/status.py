@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from control.keys import POOLS
+from control.keys import LOCAL_PREFILL_METRIC, POOLS
 from control.records import DecisionRecord, PoolSLO
 from control.sync_store import SyncControlStore
 from deploy.local import LocalRun, load_run
@@ -20,7 +20,6 @@ from engine.messages import ReplicaLoad
 
 PERCENTILES = (50.0, 95.0, 99.0)
 METRICS = ("ttft", "tpot", "queue_wait", "prefill", "kv_transfer")
-SPLIT_METRIC = "local_prefill"  # 1 or 0 per disaggregated request (control/keys.py)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -35,7 +34,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 def prefill_split(samples: Mapping[str, list[float]]) -> tuple[int, float] | None:
     """Of the last disaggregated requests: how many, and the share whose prompt was computed
     on the decode replica itself. None before the first."""
-    values = samples.get(SPLIT_METRIC, [])
+    values = samples.get(LOCAL_PREFILL_METRIC, [])
     return (len(values), sum(values) / len(values)) if values else None
 
 
@@ -65,7 +64,7 @@ async def _from_redis(redis_url: str, app: str) -> tuple[dict[str, list[float]],
 
     store = await ControlStore.connect(redis_url, app)
     try:
-        samples = {m: await store.recent_samples(m, 1000) for m in (*METRICS, SPLIT_METRIC)}
+        samples = {m: await store.recent_samples(m, 1000) for m in (*METRICS, LOCAL_PREFILL_METRIC)}
         replicas = [r for pool in POOLS for r in await store.replica_loads(pool)]
         return samples, replicas
     finally:

@@ -33,6 +33,7 @@ from api.convert import (
 from api.gen.pdserve.v1 import pdserve_pb2
 from api.serve_grpc import SERVICE, MalformedRequest
 from control.breaker import BestEffort
+from control.keys import LOCAL_PREFILL_METRIC
 from control.store import ControlStore
 from engine.models import resolve_model
 from engine.prompts import load_tokenizer
@@ -204,25 +205,26 @@ class Router:
 
     def _on_finish(self, outcome: str, timings: RequestTimings | None, usage: Usage) -> None:
         self.metrics.observe(outcome, timings)
+        if timings is None:
+            return
         num_tokens = usage.completion_tokens
-        if timings is not None and isinstance(self.placement, PredictedPrefill):
+        # None where the request had none: one token has no TPOT, a colocated one no transfer.
+        tpot = timings.mean_tpot_s if num_tokens > 1 else None
+        kv_transfer = timings.kv_transfer_s if timings.decode_start_s > 0 else None
+        if isinstance(self.placement, PredictedPrefill):
             self.placement.decider.observe(
-                usage.prompt_tokens,
-                timings.prefill_s,
-                timings.kv_transfer_s if timings.decode_start_s > 0 else None,
-                timings.mean_tpot_s if num_tokens > 1 else None,
-                num_tokens,
+                usage.prompt_tokens, timings.prefill_s, kv_transfer, tpot, num_tokens
             )
-        if timings is None or self.store is None:
+        if self.store is None:
             return
         values = {
             "ttft": timings.ttft_s,
-            "tpot": timings.mean_tpot_s if num_tokens > 1 else None,
+            "tpot": tpot,
             "queue_wait": timings.queue_wait_s,
             "prefill": timings.prefill_s,
-            "kv_transfer": timings.kv_transfer_s if timings.decode_start_s > 0 else None,
+            "kv_transfer": kv_transfer,
             # Where the prompt was computed (`pdserve status` shows the split).
-            "local_prefill": None
+            LOCAL_PREFILL_METRIC: None
             if self.settings.colocated
             else float(timings.prefill_replica.startswith("decode")),
         }
