@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -298,10 +298,25 @@ def delete_app(name: str, timeout_s: float = 300.0) -> None:
     from ray import serve
 
     serve.delete(name, _blocking=False)
-    deadline = time.monotonic() + timeout_s
-    while name in serve.status().applications:
-        assert time.monotonic() < deadline, f"app {name} still there {timeout_s:.0f} s after delete"
+    wait_for(f"app {name} to go", lambda: name not in serve.status().applications, timeout_s)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> float:
+    """Poll `check` each second until it holds; the seconds that took. Fails naming `what`."""
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(1.0)
+    return time.monotonic() - started
+
+
+def replica_states(app: str, deployment: str) -> dict[str, int]:
+    """Serve's count of `deployment`'s replicas per state ("RUNNING", "STARTING", ...)."""
+    from ray import serve
+
+    states = serve.status().applications[app].deployments[deployment].replica_states
+    return {str(k): int(v) for k, v in states.items()}
 
 
 def replica_actor(app: str, deployment: str, worker_id: str) -> Any:

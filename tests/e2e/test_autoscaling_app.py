@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Self
 
 import pytest
@@ -22,7 +22,7 @@ from control.records import DecisionRecord
 from control.redis_server import RedisServer
 from control.sync_store import SyncControlStore
 from deploy.config import AppConfig
-from tests.e2e.conftest import ServedApp, ServeProxy
+from tests.e2e.conftest import ServedApp, ServeProxy, replica_states, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -68,23 +68,11 @@ def autoscale_app(serve_proxy: ServeProxy, redis_server: RedisServer) -> Iterato
 
 
 def _replicas(deployment: str) -> dict[str, int]:
-    from ray import serve
-
-    app = serve.status().applications[APP]
-    return {str(k): int(v) for k, v in app.deployments[deployment].replica_states.items()}
+    return replica_states(APP, deployment)
 
 
 def _running(deployment: str) -> int:
     return _replicas(deployment).get("RUNNING", 0)
-
-
-def _wait(what: str, check: Callable[[], bool], timeout_s: float) -> float:
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(1.0)
-    return time.monotonic() - started
 
 
 def _decisions(url: str, pool: str) -> list[DecisionRecord]:
@@ -157,15 +145,15 @@ def test_prefill_scales_on_ttft_and_decode_stays(
     # calm (autoscaling/policy.py), so the new replica is kept, and it starts on a quiet core
     # (under the burst it shared the core with the first one: a clean run measured 311 s).
     with Burst(autoscale_app, num_requests=6) as burst:
-        _wait("a scale-up decision", lambda: _has_target(url, "prefill", 2), timeout_s=120)
+        wait_for("a scale-up decision", lambda: _has_target(url, "prefill", 2), timeout_s=120)
     assert burst.num_done > 6 and not burst.errors, burst.errors[:1]
-    _wait("a second prefill replica", lambda: _running("Prefill") == 2, timeout_s=300)
+    wait_for("a second prefill replica", lambda: _running("Prefill") == 2, timeout_s=300)
     assert _running("Decode") == 1
     ups = [d for d in _decisions(url, "prefill") if d.target_replicas == 2]
     assert ups[-1].inputs["slo_ttft_p95_s"] == pytest.approx(0.05)
     assert all(d.target_replicas == 1 for d in _decisions(url, "decode"))
     # Calm again: back to one replica after the cool-down.
-    _wait("prefill back to 1", lambda: sum(_replicas("Prefill").values()) == 1, timeout_s=180)
+    wait_for("prefill back to 1", lambda: sum(_replicas("Prefill").values()) == 1, timeout_s=180)
     downs = [
         d for d in _decisions(url, "prefill") if d.target_replicas == 1 and d.current_replicas == 2
     ]
@@ -176,17 +164,17 @@ def test_scale_pin_and_auto(autoscale_app: ServedApp, redis_server: RedisServer)
     url = redis_server.url
     out = _cli(url, "scale", "decode", "2")
     assert "decode" in out
-    took = _wait("decode target 2", lambda: sum(_replicas("Decode").values()) == 2, timeout_s=30)
+    took = wait_for("decode target 2", lambda: sum(_replicas("Decode").values()) == 2, timeout_s=30)
     assert took <= 30
     pinned = _decisions(url, "decode")[0]
     assert pinned.target_replicas == 2 and pinned.inputs["pin"] == 2
     # A pool with a replica still starting is never calm (its signals predate the replica), so
     # the release can only scale down once the pinned replica serves. On CI's two loaded cores a
     # CPU engine took over two minutes to start.
-    _wait("the pinned decode replica", lambda: _running("Decode") == 2, timeout_s=420)
+    wait_for("the pinned decode replica", lambda: _running("Decode") == 2, timeout_s=420)
     _cli(url, "scale", "decode", "auto")
     assert control(url, APP).pins()["decode"] is None
-    _wait("decode back to 1", lambda: sum(_replicas("Decode").values()) == 1, timeout_s=120)
+    wait_for("decode back to 1", lambda: sum(_replicas("Decode").values()) == 1, timeout_s=120)
     downs = [
         d for d in _decisions(url, "decode") if (d.current_replicas, d.target_replicas) == (2, 1)
     ]
@@ -267,24 +255,24 @@ def test_each_pool_scaled_down_under_steady_load_loses_nothing(
         }
     _cli(url, "scale", "prefill", "2")
     _cli(url, "scale", "decode", "2")
-    _wait(
+    wait_for(
         "two replicas in each pool",
         lambda: (_running("Prefill"), _running("Decode")) == (2, 2),
         timeout_s=600,
     )
     with SteadyLoad(autoscale_app, prompts, num_streams=4) as load:
-        _wait("requests on two replicas each", lambda: len(load.done) >= 8, timeout_s=120)
+        wait_for("requests on two replicas each", lambda: len(load.done) >= 8, timeout_s=120)
         marks = [len(load.done)]
         for pool, deployment in (("decode", "Decode"), ("prefill", "Prefill")):
             _cli(url, "scale", pool, "1")
-            took = _wait(
+            took = wait_for(
                 f"{pool} down to 1",
                 lambda d=deployment: sum(_replicas(d).values()) == 1,  # type: ignore[misc]
                 timeout_s=300,
             )
             print(f"\n{pool} 2 -> 1 under load took {took:.1f} s")
             marks.append(len(load.done))
-        _wait("requests after both", lambda: len(load.done) >= marks[-1] + 4, timeout_s=120)
+        wait_for("requests after both", lambda: len(load.done) >= marks[-1] + 4, timeout_s=120)
     _cli(url, "scale", "prefill", "auto")
     _cli(url, "scale", "decode", "auto")
     assert load.errors == [], load.errors[:3]

@@ -16,7 +16,14 @@ from api.client import acollect, collect
 from control.redis_server import RedisServer
 from deploy.config import AppConfig, with_sim_engine
 from engine.sim.profile import load_link, load_profile
-from tests.e2e.conftest import APP_TIMEOUT_S, ServedApp, ServeProxy, deployed
+from tests.e2e.conftest import (
+    APP_TIMEOUT_S,
+    ServedApp,
+    ServeProxy,
+    deployed,
+    replica_states,
+    wait_for,
+)
 
 PROFILE = load_profile("cpu-smollm2")
 LINK = load_link(PROFILE.default_link)
@@ -264,11 +271,8 @@ def tpot_app(serve_proxy: ServeProxy, redis_server: RedisServer) -> Iterator[Ser
         yield app
 
 
-def _running(app: str, deployment: str) -> int:
-    from ray import serve
-
-    states = serve.status().applications[app].deployments[deployment].replica_states
-    return int(states.get("RUNNING", 0))
+def _running(deployment: str) -> int:
+    return replica_states(TPOT_APP, deployment).get("RUNNING", 0)
 
 
 def test_the_decode_pool_scales_on_tpot_live(
@@ -281,7 +285,7 @@ def test_the_decode_pool_scales_on_tpot_live(
 
     from control.sync_store import SyncControlStore
 
-    assert (_running(TPOT_APP, "Prefill"), _running(TPOT_APP, "Decode")) == (1, 1)
+    assert (_running("Prefill"), _running("Decode")) == (1, 1)
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -297,16 +301,13 @@ def test_the_decode_pool_scales_on_tpot_live(
     for thread in load:
         thread.start()
     try:
-        deadline = time.monotonic() + 120
-        while _running(TPOT_APP, "Decode") < 2:
-            assert time.monotonic() < deadline, "decode did not scale to 2 within 120 s"
-            time.sleep(1.0)
+        wait_for("decode to scale to 2", lambda: _running("Decode") >= 2, timeout_s=120)
     finally:
         stop.set()
         for thread in load:
             thread.join(timeout=60)
     assert not errors, errors[:1]
-    assert _running(TPOT_APP, "Prefill") == 1
+    assert _running("Prefill") == 1
     with SyncControlStore.connect(redis_server.url, TPOT_APP) as store:
         ups = [d for d in store.recent_decisions(50, pool="decode") if d.target_replicas == 2]
         prefill = store.recent_decisions(50, pool="prefill")
