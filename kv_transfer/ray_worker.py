@@ -92,6 +92,11 @@ class RayKVWorker:
             )
         except Exception:
             logger.exception("RayKVConnector: registering %d lease(s) failed", len(entries))
+            # The call may still land (a slow or cut link to the registry's host). Nobody will
+            # be handed these keys: release them. Ray runs one caller's calls to an actor in
+            # order, so this release comes after a registration that lands late, and the
+            # lease does not outlive the link cut by its whole period.
+            self._registry.release_many.remote([key for key, _ in entries])
 
     def _store(self, request: SaveRequest) -> StoredKV:
         assert self.layout is not None, "register_kv_caches was not called"
