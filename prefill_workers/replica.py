@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -162,6 +162,12 @@ class ReplicaShell:
     async def is_idle(self) -> bool:
         """True when the engine holds no KV block (strict: a prefix-cache reset succeeds)."""
         return bool(await self._engine_owner.is_idle())
+
+    async def idle_report(self, avoid: Sequence[str] = ()) -> tuple[str, bool]:
+        """This replica's worker id and `is_idle`: a probe of one replica of a pool. The pool's
+        request router skips the replicas `avoid` names (as for a moved request), so a caller
+        reaches each replica by avoiding the others; the id says which one answered."""
+        return self._engine_owner.worker_id, await self.is_idle()
 
     async def abort(self, request_id: str) -> None:
         await self._engine_owner.abort(request_id)
