@@ -21,6 +21,16 @@ MODELS = ["tiny", "default"]
 
 Pair = tuple[PrefillWorker, DecodeWorker]
 
+# The tiny model's pairs only: for tests of the KV machinery under load, where the default model
+# costs CI a minute a test and shows nothing the tiny one does not (the greedy oracle tests keep
+# the default model; tests/e2e/test_routing.py runs 8 default-model streams per backend).
+TINY_PAIRS = pytest.mark.parametrize(
+    "pd_case",
+    [(b, "tiny") for b in BACKENDS],
+    indirect=True,
+    ids=[f"{b}-tiny" for b in BACKENDS],
+)
+
 
 @pytest.fixture(
     scope="session",

@@ -14,6 +14,7 @@ from engine.reference import ReferenceModel
 from engine.stats import KVLoadCounts
 from prefill_workers.worker import PrefillWorker
 from tests.builders import make_greedy, prompt_of_length
+from tests.engine.conftest import TINY_PAIRS
 from tests.pd import make_request, run_pd, wait_idle
 
 pytestmark = pytest.mark.engine
@@ -64,6 +65,7 @@ async def test_greedy_matches_monolithic_and_transformers(
     assert await wait_idle(prefill, decode)
 
 
+@TINY_PAIRS
 async def test_sixteen_concurrent_requests(
     pd_case: tuple[str, str, Pair], request: pytest.FixtureRequest
 ) -> None:

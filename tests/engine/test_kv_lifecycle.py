@@ -18,6 +18,7 @@ from engine.stats import KVLoadCounts
 from prefill_workers.worker import PrefillWorker
 from router.lifecycle import generate_disaggregated
 from tests.builders import make_greedy, make_settings
+from tests.engine.conftest import TINY_PAIRS
 from tests.pd import make_request, run_pd, wait_idle
 
 pytestmark = pytest.mark.engine
@@ -64,6 +65,7 @@ async def _cancel_after(coro: object, delay: float) -> None:
         await task
 
 
+@TINY_PAIRS
 async def test_fifty_requests_with_cancellations_leak_nothing(
     pd_case: tuple[str, str, Pair],
 ) -> None:
@@ -244,9 +246,7 @@ def engine_pids(worker: PrefillWorker) -> set[int]:
     return descendants(int(p.pid) for p in cores)
 
 
-@pytest.mark.parametrize(
-    "pd_case", [("nixl", "tiny"), ("ray", "tiny")], indirect=True, ids=["nixl-tiny", "ray-tiny"]
-)
+@TINY_PAIRS
 async def test_a_load_from_a_producer_that_stopped_answering_gives_up_at_its_deadline(
     pd_case: tuple[str, str, Pair],
 ) -> None:
