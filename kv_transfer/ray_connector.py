@@ -15,7 +15,8 @@ ray_params.py. The facade only forwards: RayKVScheduler (ray_scheduler.py) runs 
 RayKVWorker (ray_worker.py) next to the KV cache. Calls, in order per step:
 
     scheduler  get_num_new_matched_tokens -> update_state_after_alloc -> build_connector_meta
-    worker     start_load_kv (loads) -> forward -> wait_for_save (saves) -> get_transfer_results
+    worker     start_load_kv (starts loads, off the engine thread) -> forward
+               -> wait_for_save (saves) -> get_transfer_results (loads done)
     scheduler  update_connector_output; request_finished once per finished request
 
 Supports one worker per engine (tensor and pipeline parallel size 1) and one KV cache group.
@@ -107,7 +108,7 @@ class RayKVConnector(KVConnectorBase_V1):
         self.worker.load(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete inside start_load_kv
+        return  # whole-request loads, off the engine thread (ray_worker.py)
 
     def save_kv_layer(
         self,
@@ -124,9 +125,7 @@ class RayKVConnector(KVConnectorBase_V1):
         self.worker.save(meta.saves)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self._worker is None or self._worker.stats.is_empty():
-            return None
-        return self._worker.stats.clone_and_reset()
+        return None if self._worker is None else self._worker.take_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:

@@ -9,15 +9,22 @@ torch tensors would serialise several times slower.
         gather rows  ->  object l = [num_blocks, block bytes]  + crc32 per row
     consumer cache, layer l     rows block_ids[i] <- object l row first_block + i (after crc check)
 
-Everything runs synchronously on the engine thread: saves in wait_for_save (after the forward
-wrote the KV), loads in start_load_kv. Any failure of a load is reported, never raised, and never
+Saves run on the engine thread, in wait_for_save (after the forward wrote the KV). Loads run off
+it: start_load_kv hands each request's load to a small thread pool and returns, and the request
+waits in vLLM's WAITING_FOR_REMOTE_KVS until get_transfer_results reports it done, so a slow
+fetch (a producer's host cut off, a registry that does not answer) holds up that request alone,
+for at most `fetch_timeout_s` per call, and never the engine's other requests. The loads write
+only the blocks vLLM allocated to their own request, which it keeps (even for an aborted
+request) until the load is reported. Any failure of a load is reported, never raised, and never
 leaves KV behind that vLLM would treat as computed.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,6 +46,10 @@ class KVLoadError(Exception):
     """A load that must not be used; the message names the cause."""
 
 
+# Loads in flight at once per engine: each mostly waits on Ray (registry, object fetch).
+LOAD_THREADS = 4
+
+
 class RayKVWorker:
     def __init__(self, settings: RayKVSettings, engine_id: str, registry: Any) -> None:
         self._settings = settings
@@ -46,9 +57,12 @@ class RayKVWorker:
         self._registry = registry
         self._layers: list[np.ndarray] = []
         self.layout: BlockLayout | None = None
+        # Written by the load threads, read by the engine thread: under `_lock`.
+        self._lock = threading.Lock()
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
-        self.stats = RayKVConnectorStats()
+        self._stats = RayKVConnectorStats()
+        self._loads = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="ray-kv-load")
 
     def register_kv_caches(
         self, kv_caches: dict[str, torch.Tensor], layout_fields: dict[str, Any], num_blocks: int
@@ -123,37 +137,42 @@ class RayKVWorker:
     # -- consumer ------------------------------------------------------------------------
 
     def load(self, loads: list[LoadRequest]) -> None:
-        """One attempt per request; every lease named here is released afterwards."""
-        pending: dict[str, LoadRequest] = {}
+        """Start one attempt per request, off the engine thread (see the module's doc); its
+        outcome comes out of `take_results` once it is done."""
         for load in loads:
             if load.refusal is not None or load.handoff is None:
+                if load.handoff is not None:  # refused: nobody will take it
+                    self._registry.release_many.remote([load.handoff.key])
                 self._fail(load.request_id, load.refusal or "no handoff")
             else:
-                pending[load.handoff.key] = load
-        stored: dict[str, StoredKV | None] = {}
-        failure = None
-        if pending:
+                self._loads.submit(self._load_one, load)
+
+    def _load_one(self, load: LoadRequest) -> None:
+        """Take the lease, fetch, verify and copy in; then release the lease, whatever came of
+        it."""
+        handoff = load.handoff
+        assert handoff is not None
+        started = time.perf_counter()
+        failure, num_bytes = None, 0
+        try:
             try:
                 stored = ray.get(
-                    self._registry.take_many.remote(list(pending)),
+                    self._registry.take_many.remote([handoff.key]),
                     timeout=self._settings.fetch_timeout_s,
                 )
             except Exception as exc:
-                failure = f"lease registry unreachable: {exc!r}"
-        for key, load in pending.items():
-            started = time.perf_counter()
-            try:
-                if failure is not None:
-                    raise KVLoadError(failure)
-                num_bytes = self._copy_in(load, stored.get(key))
-            except KVLoadError as exc:
-                self._fail(load.request_id, str(exc))
-            else:
-                self.stats.record_transfer(time.perf_counter() - started, num_bytes)
-                self._finished_recving.add(load.request_id)
-        keys = [load.handoff.key for load in loads if load.handoff is not None]
-        if keys:
-            self._registry.release_many.remote(keys)
+                raise KVLoadError(f"lease registry unreachable: {exc!r}") from exc
+            num_bytes = self._copy_in(load, stored.get(handoff.key))
+        except Exception as exc:  # reported, never raised: the thread has no caller
+            failure = str(exc) if isinstance(exc, KVLoadError) else repr(exc)
+        # Released before the outcome is reported: a request done means its lease is let go.
+        self._registry.release_many.remote([handoff.key])
+        if failure is not None:
+            self._fail(load.request_id, failure)
+            return
+        with self._lock:
+            self._stats.record_transfer(time.perf_counter() - started, num_bytes)
+            self._finished_recving.add(load.request_id)
 
     def _copy_in(self, load: LoadRequest, stored: StoredKV | None) -> int:
         """Verify and copy one request's blocks into the cache; returns the bytes copied."""
@@ -200,12 +219,19 @@ class RayKVWorker:
 
     def _fail(self, request_id: str, reason: str) -> None:
         logger.error("RayKVConnector: refusing remote KV for request %s: %s", request_id, reason)
-        self.stats.record_failed_transfer()
-        self._failed_recving.add(request_id)
-        self._finished_recving.add(request_id)
+        with self._lock:
+            self._stats.record_failed_transfer()
+            self._failed_recving.add(request_id)
+            self._finished_recving.add(request_id)
 
     def take_results(self) -> tuple[set[str], set[str]]:
         """(finished receiving, failed receiving) since the last call; failed ones are in both."""
-        finished, failed = self._finished_recving, self._failed_recving
-        self._finished_recving, self._failed_recving = set(), set()
+        with self._lock:
+            finished, failed = self._finished_recving, self._failed_recving
+            self._finished_recving, self._failed_recving = set(), set()
         return finished, failed
+
+    def take_stats(self) -> RayKVConnectorStats | None:
+        """The transfers since the last call (None: there were none)."""
+        with self._lock:
+            return None if self._stats.is_empty() else self._stats.clone_and_reset()

@@ -306,3 +306,60 @@ async def test_a_load_from_a_producer_that_stopped_answering_gives_up_at_its_dea
     # The producer's KV is freed now it answers again, well before its 60 s lease.
     assert await wait_idle(prefill, decode, timeout=15)
     assert await live_leases(prefill) == 0
+
+
+@pytest.mark.parametrize("pd_case", [("ray", "tiny")], indirect=True, ids=["ray-tiny"])
+async def test_a_load_waiting_on_a_silent_registry_holds_up_no_other_request(
+    pd_case: tuple[str, str, Pair],
+) -> None:
+    """The `ray` backend's lease registry is frozen (SIGSTOP) after a prefill: decode's load of
+    that KV waits for it, up to the transfer deadline, but off the engine's thread, so a request
+    that needs no transfer, sent to the same decode engine meanwhile, is answered at once (before
+    the load ran on the engine thread and held every request up for the whole wait). The load
+    then gives up and decode recomputes the prompt: the uninterrupted run's tokens."""
+    import os
+    import signal
+    import time
+
+    import ray
+
+    from kv_transfer.ray_lease import get_lease_registry
+    from tests.conftest import TEST_TRANSFER_TIMEOUT_S
+
+    _, _, (prefill, decode) = pd_case
+    params = make_greedy(max_tokens=8, ignore_eos=True)
+    request = make_request(tuple((i * 13 + 7) % 400 + 50 for i in range(70)), params)
+    expected = await run_pd(prefill, decode, replace(request, request_id="silent-expected"))
+    assert await wait_idle(prefill, decode, timeout=10)
+    result = await prefill.prefill(replace(request, request_id="silent-registry"))
+    before = decode.stats.kv_loads
+    transfer = prefill.transfer
+    registry = get_lease_registry(transfer.lease_registry, transfer.ray_namespace)
+    registry_pid = ray.get(registry.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+    other = make_request(tuple((i * 3 + 1) % 400 + 50 for i in range(40)), params)
+
+    async def decode_from_the_handoff() -> list[int]:
+        events = decode.decode(replace(request, request_id="silent-registry"), result.handoff)
+        return [t async for event in events for t in event.token_ids]
+
+    os.kill(registry_pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        waiting = asyncio.create_task(decode_from_the_handoff())
+        await asyncio.sleep(1.0)  # the load has started and waits on the registry
+        other_started = time.monotonic()
+        answer = [t async for event in decode.generate(other) for t in event.token_ids]
+        other_s = time.monotonic() - other_started
+        tokens = await asyncio.wait_for(waiting, TEST_TRANSFER_TIMEOUT_S + 30)
+        elapsed = time.monotonic() - started
+    finally:
+        os.kill(registry_pid, signal.SIGCONT)
+    print(f"\nwhile a load waited {elapsed:.1f} s, a request without one took {other_s:.2f} s")
+    assert len(answer) == 8
+    assert other_s < TEST_TRANSFER_TIMEOUT_S / 2
+    assert elapsed >= TEST_TRANSFER_TIMEOUT_S
+    assert [result.first_token, *tokens] == expected
+    loads = decode.stats.kv_loads.minus(before)
+    assert (loads.num_loads, loads.num_failures) == (1, 1), loads
+    assert await wait_idle(prefill, decode, timeout=15)
+    assert await live_leases(prefill) == 0
