@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,26 @@ from control.store import ControlStore
 from deploy.config import AppConfig
 from engine.stats import KVLoadCounts
 from tests.hosts import Hosts
+
+# --- Order -------------------------------------------------------------------------------
+
+# Run first in this package, before `serve_apps` starts its five engines: the module's own apps
+# run the default model on four engines each, and both sets together do not fit in this
+# machine's 24 GiB (in a full run Ray's memory monitor killed replicas of both).
+FIRST_MODULES = ("test_routing.py",)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own ordering by fixture scope and parameter
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    first = [i for i in items if i.path.parent == here and i.path.name in FIRST_MODULES]
+    if not first:
+        return
+    moved = {id(i) for i in first}
+    rest = [i for i in items if id(i) not in moved]
+    at = next((k for k, i in enumerate(rest) if i.path.parent == here), len(rest))
+    items[:] = rest[:at] + first + rest[at:]
+
 
 # --- Redis control plane (control/) -------------------------------------------------
 
