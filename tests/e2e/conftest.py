@@ -351,15 +351,19 @@ def replica_actor(app: str, deployment: str, worker_id: str) -> Any:
     return ray.get_actor(name, namespace="serve")
 
 
-def engine_core_pid(actor: Any) -> int:
-    """The PID of the EngineCore process under the replica `actor`: the replica's own child,
-    which vLLM titles VLLM::EngineCore."""
+def replica_pid(actor: Any) -> int:
+    """The PID of the Serve replica `actor`'s own process."""
     import os
 
     import ray
 
+    return int(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30))
+
+
+def engine_core_pid(actor: Any) -> int:
+    """The PID of the EngineCore process under the replica `actor`: the replica's own child,
+    which vLLM titles VLLM::EngineCore."""
     from tests.procs import children_named
 
-    replica_pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
-    (engine_core,) = children_named(replica_pid, "EngineCore")
+    (engine_core,) = children_named(replica_pid(actor), "EngineCore")
     return int(engine_core)

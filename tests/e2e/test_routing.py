@@ -58,6 +58,7 @@ from tests.e2e.conftest import (
     deployed,
     engine_core_pid,
     on_host,
+    replica_pid,
     replica_states,
     wait_for,
 )
@@ -431,12 +432,6 @@ def _replica_actors(app: str, deployment: str) -> dict[str, Any]:
     }
 
 
-def _pid(actor: Any) -> int:
-    import ray
-
-    return int(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30))
-
-
 def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
@@ -479,10 +474,10 @@ def test_a_decode_replica_process_killed_mid_stream_loses_no_token(route_app: Se
         "every stream to be decoding", lambda ss: all(len(s.tokens) >= 8 for s in ss), 120
     )
     victim, num_on_victim = _busiest_decode_replica(run.streams)
-    replica_pid = _pid(actors[victim])
+    victim_pid = replica_pid(actors[victim])
     engine_pid = engine_core_pid(actors[victim])
     killed_at = time.monotonic()
-    _kill(replica_pid)
+    _kill(victim_pid)
     streams = run.join()
     _assert_as_uninterrupted(streams, reference)
     moved, stayed = _moved_off(victim, streams)
@@ -516,7 +511,7 @@ def test_a_prefill_replica_killed_mid_prefill_loses_no_request(route_app: Served
                 victim, pending = worker, stats["num_pending_prefill_tokens"]
                 break
     engine_pid = engine_core_pid(actors[victim])
-    _kill(_pid(actors[victim]))
+    _kill(replica_pid(actors[victim]))
     streams = run.join()
     _assert_as_uninterrupted(streams, reference)
     print(f"\n{route_app.key}: prefill replica killed holding {pending} prompt tokens not yet "
@@ -626,9 +621,11 @@ def test_after_the_faults_no_kv_block_or_lease_is_held(route_app: ServedApp) -> 
                 time.sleep(0.5)
     assert not any(held.values()), f"KV blocks still held: {held}"
     if route_app.config.kv_transfer.backend == "ray":
+        from deploy.settings import transfer_settings
         from kv_transfer.ray_lease import get_lease_registry
 
-        registry = get_lease_registry(f"pdserve-kv-leases-{route_app.name}", "pdserve")
+        transfer = transfer_settings(route_app.config)
+        registry = get_lease_registry(transfer.lease_registry, transfer.ray_namespace)
         assert ray.get(registry.num_live.remote(), timeout=30) == 0
 
 
@@ -642,27 +639,16 @@ def test_with_every_prefill_engine_dead_a_decode_replica_prefills_for_itself(
     """Runs after the decode kill: both prefill replicas' EngineCores are killed. A request
     fails on one prefill replica, then on the other, and is then prefilled on a decode replica
     itself: the client gets the greedy answer it got before, counted ok."""
-    import os
-    import signal
-
-    import ray
-
     prompt = f"Prefill pool down {uuid.uuid4().hex}. " * 2
     options: dict[str, Any] = {"max_tokens": 24, "ignore_eos": True}
-    prefix = f"SERVE_REPLICA::{APP}#Prefill#"
     # Read before the reference request, whose own count may reach the agents only after the
     # kill: the two requests are counted together.
     ok_before = settled_metric("pdserve_requests_total", app=APP, outcome="ok")
     with route_app.client() as client:
         reference = collect(client.generate(prompt, **options))
-        names = [
-            a["name"]
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(prefix)
-        ]
-        assert len(names) == 2, names
-        for name in names:
-            actor = ray.get_actor(name, namespace="serve")
+        actors = _replica_actors(APP, "Prefill")
+        assert len(actors) == 2, actors
+        for actor in actors.values():
             os.kill(engine_core_pid(actor), signal.SIGKILL)
         done = collect(client.generate(prompt, **options))
     assert list(done.token_ids) == list(reference.token_ids)

@@ -30,6 +30,8 @@ TINY_PAIRS = pytest.mark.parametrize(
     indirect=True,
     ids=[f"{b}-tiny" for b in BACKENDS],
 )
+# The `ray` backend's tiny pair only: for what only that backend has (its lease registry).
+RAY_TINY = pytest.mark.parametrize("pd_case", [("ray", "tiny")], indirect=True, ids=["ray-tiny"])
 
 
 @pytest.fixture(

@@ -18,7 +18,7 @@ from engine.stats import KVLoadCounts
 from prefill_workers.worker import PrefillWorker
 from router.lifecycle import generate_disaggregated
 from tests.builders import make_greedy, make_settings
-from tests.engine.conftest import TINY_PAIRS
+from tests.engine.conftest import RAY_TINY, TINY_PAIRS
 from tests.pd import make_request, run_pd, wait_idle
 
 pytestmark = pytest.mark.engine
@@ -97,7 +97,7 @@ async def test_fifty_requests_with_cancellations_leak_nothing(
     assert len(tokens) == 4
 
 
-@pytest.mark.parametrize("pd_case", [("ray", "tiny")], indirect=True, ids=["ray-tiny"])
+@RAY_TINY
 async def test_a_store_whose_output_was_lost_is_released_by_its_owner(
     pd_case: tuple[str, str, Pair],
 ) -> None:
@@ -202,7 +202,7 @@ async def test_a_stopping_prefill_replica_waits_until_its_handoff_is_pulled(
     assert await live_leases(prefill) == 0
 
 
-@pytest.mark.parametrize("pd_case", [("ray", "tiny")], indirect=True, ids=["ray-tiny"])
+@RAY_TINY
 async def test_the_lease_registry_comes_back_after_its_process_dies(
     pd_case: tuple[str, str, Pair],
 ) -> None:
@@ -308,7 +308,7 @@ async def test_a_load_from_a_producer_that_stopped_answering_gives_up_at_its_dea
     assert await live_leases(prefill) == 0
 
 
-@pytest.mark.parametrize("pd_case", [("ray", "tiny")], indirect=True, ids=["ray-tiny"])
+@RAY_TINY
 async def test_a_load_waiting_on_a_silent_registry_holds_up_no_other_request(
     pd_case: tuple[str, str, Pair],
 ) -> None:
