@@ -82,9 +82,8 @@ def deployment_options(config: AppConfig, pool: PoolName) -> dict[str, Any]:
             **({"resources": dict(spec.resources)} if spec.resources else {}),
             "runtime_env": {"env_vars": env},
         },
-        # Engines take a minute to start on CPU; a slow first health check is not a failure.
-        "health_check_period_s": 10,
-        "health_check_timeout_s": 60,
+        "health_check_period_s": spec.health_check_period_s,
+        "health_check_timeout_s": spec.health_check_timeout_s,
         "graceful_shutdown_timeout_s": graceful_shutdown_s(config, pool),
         "request_router_config": RequestRouterConfig(
             request_router_class=_ROUTERS[pool],

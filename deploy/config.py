@@ -117,6 +117,18 @@ class PoolConfig(_Strict):
         "offer them (e.g. {node_type_gpu: 1})",
     )
     max_ongoing_requests: int = Field(256, ge=1, description="Serve's per-replica request cap")
+    health_check_period_s: float = Field(
+        10.0,
+        gt=0,
+        description="seconds between Serve's health checks of a replica; Serve replaces one "
+        "after 3 failed checks (an engine that died fails each at once)",
+    )
+    health_check_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="how long one health check may take before it counts as failed (engines "
+        "take a minute to start on CPU: a slow first check is not a failure)",
+    )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="vLLM EngineArgs for this pool's engines only, over engine.engine_kwargs",

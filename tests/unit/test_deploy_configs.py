@@ -268,3 +268,14 @@ def test_engine_kwargs_reach_each_pools_engine_args() -> None:
     assert (decode["max_num_batched_tokens"], decode["enable_prefix_caching"]) == (1024, False)
     args = engine_spec(config, "decode").resolve().async_engine_args()
     assert (args.max_num_batched_tokens, args.enable_prefix_caching) == (1024, False)
+
+
+def test_each_pools_health_checks_are_its_own() -> None:
+    """Serve's health-check period and timeout per pool: 10 s and 60 s unless set."""
+    config = AppConfig.model_validate({"decode": {"health_check_period_s": 2}})
+    decode = deployment_options(config, "decode")
+    prefill = deployment_options(config, "prefill")
+    assert (decode["health_check_period_s"], decode["health_check_timeout_s"]) == (2, 60)
+    assert (prefill["health_check_period_s"], prefill["health_check_timeout_s"]) == (10, 60)
+    with pytest.raises(ValidationError, match="health_check_period_s"):
+        AppConfig.model_validate({"prefill": {"health_check_period_s": 0}})
