@@ -211,6 +211,7 @@ def _serve_llm(config: AppConfig, timeout_s: float) -> Iterator[Target]:
         ray_temp_dir,
         start_ray_head,
         stop_pid,
+        stop_pids,
         use_ray_token,
     )
     from deploy.up import ray_num_cpus, wait_serving
@@ -252,8 +253,7 @@ def _serve_llm(config: AppConfig, timeout_s: float) -> Iterator[Target]:
             finally:
                 ray.shutdown()
                 stop_pid(head_pid, timeout_s=30)
-                for pid in marked_pids(run_id):
-                    stop_pid(pid, timeout_s=5)
+                stop_pids(marked_pids(run_id), timeout_s=5)
                 shutil.rmtree(ray_temp_dir(run_id), ignore_errors=True)
         leftovers = marked_pids(run_id)
         if leftovers:

@@ -309,17 +309,24 @@ def marked_pids(run_id: str) -> list[int]:
 
 
 def stop_pid(pid: int, timeout_s: float = 15) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
+    stop_pids([pid], timeout_s)
+
+
+def stop_pids(pids: list[int], timeout_s: float = 15) -> None:
+    """SIGTERM every one of `pids` at once; SIGKILL those still running `timeout_s` later."""
+    running = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+            running.append(pid)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not pid_is_alive(pid):
-            return
-        time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+    while running and time.monotonic() < deadline:
+        running = [pid for pid in running if pid_is_alive(pid)]
+        if running:
+            time.sleep(0.2)
+    for pid in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def pid_is_alive(pid: int) -> bool:

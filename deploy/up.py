@@ -37,6 +37,7 @@ from deploy.local import (
     start_ray_head,
     state_file,
     stop_pid,
+    stop_pids,
     write_private_file,
 )
 from deploy.status import state_name
@@ -335,7 +336,6 @@ def _stop_all(run_id: str, ray_pid: int, redis_pid: int) -> int:
     if ray_pid:
         stop_pid(ray_pid, timeout_s=30)
     leftovers = [pid for pid in marked_pids(run_id) if pid != redis_pid]
-    for pid in leftovers:
-        stop_pid(pid, timeout_s=5)
+    stop_pids(leftovers, timeout_s=5)
     stop_pid(redis_pid, timeout_s=10)
     return len(leftovers)

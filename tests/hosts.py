@@ -21,6 +21,7 @@ import ipaddress
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.local import marked_pids, ray_auth_env, stop_pid
+from deploy.local import marked_pids, ray_auth_env, stop_pids
 
 HOST_NAMES = ("a", "b", "c")
 _TEST_NET = ipaddress.ip_network("198.18.0.0/15")
@@ -165,14 +166,15 @@ class HostCluster:
         return self.hosts.ip("a")
 
     def shutdown(self) -> None:
-        for host in reversed(list(self.pids)):
-            stop_pid(self.pids[host], timeout_s=20)
+        # All nodes at once: one after another, each could take its whole 20 s wait.
+        stop_pids(list(self.pids.values()), timeout_s=20)
         for pid in marked_pids(self.marker):  # raylets, GCS, agents, workers the nodes left
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while marked_pids(self.marker) and time.monotonic() < deadline:
             time.sleep(0.2)
+        shutil.rmtree(self.temp_root, ignore_errors=True)
 
 
 def start_host_cluster(hosts: Hosts, num_cpus: int = 2, timeout_s: float = 180) -> HostCluster:

@@ -1,9 +1,10 @@
 """Local-mode process bookkeeping: the run marker finds exactly our processes; stop_pid stops
-one by PID; percentiles for `pdserve status`."""
+one by PID, stop_pids several at once; percentiles for `pdserve status`."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,7 +13,15 @@ import time
 import numpy as np
 import pytest
 
-from deploy.local import RUN_MARKER, marked_pids, new_run_id, port_is_free, stop_pid
+from deploy.local import (
+    RUN_MARKER,
+    marked_pids,
+    new_run_id,
+    pid_is_alive,
+    port_is_free,
+    stop_pid,
+    stop_pids,
+)
 from deploy.status import format_latencies, percentile
 
 
@@ -116,3 +125,32 @@ def test_the_prefill_split_is_the_share_computed_on_decode_replicas() -> None:
     samples = {"local_prefill": [1.0, 0.0, 1.0, 1.0]}
     assert prefill_split(samples) == (4, 0.75)
     assert format_split(samples) == ["  last 4 requests: 75% on their decode replica, 25% remote"]
+
+
+def test_stop_pids_terms_all_then_kills_the_ones_still_running() -> None:
+    """One process that exits on SIGTERM (saying so) and one that ignores it: the first ends on
+    the SIGTERM, the second is SIGKILLed once the shared wait is over."""
+    polite = subprocess.Popen(
+        [sys.executable, "-c",
+         "import signal, sys, time\n"
+         "def bye(*_): print('term', flush=True); sys.exit(0)\n"
+         "signal.signal(signal.SIGTERM, bye); print('ready', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stubborn = subprocess.Popen(
+        [sys.executable, "-c",
+         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+         "print('ready', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for proc in (polite, stubborn):
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        stop_pids([polite.pid, stubborn.pid], timeout_s=1)
+        assert polite.stdout is not None and polite.stdout.readline() == "term\n"
+        assert not pid_is_alive(polite.pid)
+        assert stubborn.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        for proc in (polite, stubborn):
+            if proc.poll() is None:
+                proc.kill()
