@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,8 @@ from pathlib import Path
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from engine.ports import free_port
 
 LOG_NAME = "redis-server.log"
 _SERVER_NAME = "redis-server"
@@ -99,7 +100,7 @@ def start_redis_server(
     if port == 0:
         # Another process may take the port before redis binds it; redis then exits with
         # "Address already in use", reported below.
-        port = _free_port(host)
+        port = free_port(host)
     password = password or secrets.token_urlsafe(32)
     log_file = data_dir / LOG_NAME
     config = _config_text(host, port, password, data_dir, log_file, persist)
@@ -256,13 +257,6 @@ def _start_error(server: RedisServer, log_start: int, what: str) -> RuntimeError
     except OSError as error:
         tail = f"(log unreadable: {error})"
     return RuntimeError(f"redis-server {what}; see {server.log_file}:\n{tail}")
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _proc_state(pid: int) -> tuple[str, str] | None:

@@ -32,8 +32,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+# Re-exported: callers have long taken them from here.
+from engine.ports import LOOPBACK as LOOPBACK
+from engine.ports import free_port as free_port
+from engine.ports import free_ports
+
 RUN_MARKER = "PDSERVE_RUN_ID"
-LOOPBACK = "127.0.0.1"
 # Where Ray's CLIs look for a cluster: `ray status` the GCS, `serve` and `ray job` the dashboard.
 # A shell that ran `eval "$(pdserve env)"` for an earlier run still has them: a new run's
 # processes must not inherit them.
@@ -177,12 +181,6 @@ def use_ray_token(token_path: Path) -> None:
         AuthenticationTokenLoader.instance().reset_cache()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
-
 def port_is_free(port: int, host: str = LOOPBACK) -> bool:
     """Whether a server could listen on `port` now. Servers set SO_REUSEADDR, so connections
     of a stopped run still in TIME-WAIT do not keep them from binding; the probe does the same
@@ -211,11 +209,7 @@ class HeadPorts(NamedTuple):
 
     @classmethod
     def pick(cls) -> HeadPorts:
-        with contextlib.ExitStack() as held:  # all bound at once: all different
-            socks = [held.enter_context(socket.socket()) for _ in cls._fields]
-            for sock in socks:
-                sock.bind((LOOPBACK, 0))
-            return cls(*(int(sock.getsockname()[1]) for sock in socks))
+        return cls(*free_ports(len(cls._fields)))
 
 
 def ray_head_command(ports: HeadPorts, num_cpus: int, temp_dir: Path) -> list[str]:

@@ -7,10 +7,10 @@ which tames NIXL's busy-polling threads before the agent starts (see that module
 from __future__ import annotations
 
 import ipaddress
-import socket
 from typing import Any
 
 from engine.messages import KVPull, NixlPull
+from engine.ports import free_port
 from kv_transfer.base import KVBackend, register_backend
 
 
@@ -59,9 +59,3 @@ class NixlBackend(KVBackend):
             # UCX's TCP transport listens on every network device unless told otherwise.
             env["UCX_NET_DEVICES"] = "lo"
         return env
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
