@@ -204,6 +204,12 @@ class RouterConfig(_Strict):
     )
     max_stop_chars: int = Field(256, ge=1, description="characters per stop string; 400 past it")
     max_messages: int = Field(1024, ge=1, description="chat messages per request; 400 past it")
+    max_structured_chars: int = Field(
+        65_536,
+        ge=1,
+        description="characters of a structured-output constraint (JSON schema, regex, "
+        "grammar, choices); 400 past it",
+    )
     max_body_bytes: int = Field(
         8 * 1024**2,
         ge=1024,

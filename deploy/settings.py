@@ -80,6 +80,7 @@ def router_settings(config: AppConfig, release_is_idempotent: bool = False) -> R
         max_prompt_chars=router.max_prompt_chars,
         max_stop_chars=router.max_stop_chars,
         max_messages=router.max_messages,
+        max_structured_chars=router.max_structured_chars,
         max_body_bytes=router.max_body_bytes,
         max_migrations=router.max_migrations,
         request_timeout_s=router.request_timeout_s,

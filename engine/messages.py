@@ -34,6 +34,11 @@ class KVTransferError(RuntimeError):
     """A KV transfer failed (lease expired, object missing, checksum mismatch)."""
 
 
+class EngineRefused(ValueError):
+    """The engine refused the request itself (vLLM's client errors, e.g. a structured-output
+    constraint it cannot compile): the request's fault, not the replica's, so it is not moved."""
+
+
 class ReplicaFailure(RuntimeError):
     """An engine replica failed a request for a reason of its own (its engine died, a transfer
     broke; not the request's fault, which stays a ValueError). It names the replica, so the

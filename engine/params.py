@@ -8,6 +8,30 @@ MAX_TOKENS_LIMIT = 32_768
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrained decoding, as vLLM's StructuredOutputsParams: exactly one constraint. `json` is
+    a JSON schema (serialized), `json_object` any JSON object, `regex` a regular expression,
+    `choice` one of some strings, `grammar` an EBNF (or Lark) grammar."""
+
+    kind: str
+    spec: str | tuple[str, ...] | bool
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}")
+        expected = {"json_object": bool, "choice": tuple}.get(self.kind, str)
+        if not isinstance(self.spec, expected):
+            raise ValueError(f"structured output {self.kind} takes a {expected.__name__}")
+
+    def vllm_kwargs(self) -> dict[str, object]:
+        """StructuredOutputsParams' keyword arguments."""
+        return {self.kind: list(self.spec) if isinstance(self.spec, tuple) else self.spec}
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     """What to generate. Greedy when `temperature` is 0; `seed` makes sampling repeatable."""
@@ -27,6 +51,9 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     # Log-probabilities of each sampled token and of this many most likely ones (None: none).
     logprobs: int | None = None
+    # Constrained decoding (None: none). Both pools get it: prefill samples the first token
+    # under it, decode re-samples that token under it and goes on.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):

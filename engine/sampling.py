@@ -34,6 +34,7 @@ def sampling_fields(
         "repetition_penalty": params.repetition_penalty,
         "stop_token_ids": list(params.stop_token_ids) or None,
         "logprobs": params.logprobs,
+        "structured_outputs": params.structured.vllm_kwargs() if params.structured else None,
         "extra_args": extra_args,
         "output_kind": "DELTA" if served else "CUMULATIVE",
         "detokenize": not served,
@@ -43,10 +44,12 @@ def sampling_fields(
 def to_sampling_params(params: GenerationParams, **options: Any) -> Any:
     """vLLM's SamplingParams for `params` (`sampling_fields`' options)."""
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     fields = sampling_fields(params, **options)
     fields["output_kind"] = RequestOutputKind[fields["output_kind"]]
+    if fields["structured_outputs"] is not None:
+        fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
     return SamplingParams(**fields)
 
 

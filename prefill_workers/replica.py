@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from engine.async_engine import ServedEngine
-from engine.messages import ReplicaFailure, ReplicaLoad, TokenEvent
+from engine.messages import EngineRefused, ReplicaFailure, ReplicaLoad, TokenEvent
 from engine.settings import EngineSpec
 from kv_transfer.base import TransferSettings
 
@@ -140,6 +140,10 @@ class ReplicaShell:
         except (ValueError, ReplicaFailure):
             raise
         except Exception as exc:
+            # vLLM's errors of the request's own (4xx), known by name: a sim replica never
+            # imports vLLM.
+            if any(cls.__name__ == "VLLMClientError" for cls in type(exc).__mro__):
+                raise EngineRefused(str(exc)) from exc
             worker_id = self._engine_owner.worker_id
             raise ReplicaFailure(worker_id, f"{type(exc).__name__}: {exc}") from exc
 

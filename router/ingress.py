@@ -119,6 +119,7 @@ class RouterSettings:
     max_prompt_chars: int = RequestLimits.max_prompt_chars
     max_stop_chars: int = RequestLimits.max_stop_chars
     max_messages: int = RequestLimits.max_messages
+    max_structured_chars: int = RequestLimits.max_structured_chars
     max_body_bytes: int = 8 * 1024**2
     # Restarts of a request on other replicas after an engine failure (router/lifecycle.py).
     max_migrations: int = DEFAULT_MAX_MIGRATIONS
@@ -189,6 +190,7 @@ class Router:
                 max_prompt_chars=settings.max_prompt_chars,
                 max_stop_chars=settings.max_stop_chars,
                 max_messages=settings.max_messages,
+                max_structured_chars=settings.max_structured_chars,
             ),
             settings.admission,
             settings.max_model_len,
@@ -305,7 +307,8 @@ class Router:
                 raise InvalidRequest(exc.field, exc.message) from exc
             return await self.service.prepare_async(body, message.request_id, caller)
         except InvalidRequest as exc:
-            self.service.record_refusal("invalid")
+            if not exc.counted:
+                self.service.record_refusal("invalid")
             grpc_context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
             grpc_context.set_details(str(exc))
             raise

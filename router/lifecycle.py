@@ -10,7 +10,9 @@ with the prompt plus every token already delivered, and max_tokens less those; t
 stream goes on from the next token, with no token repeated or missing (greedy output is the
 uninterrupted run's). The replicas that failed the request are passed on (`avoid`) so the
 request routers choose others. After `max_migrations` such restarts the next failure is a
-`StreamInterrupted` naming how many tokens were delivered. A request that failed on
+`StreamInterrupted` naming how many tokens were delivered; so is the first failure after a token
+of a request under a structured-output constraint, which cannot resume from a longer prompt. A
+request that failed on
 `PREFILL_TRIES` prefill replicas (or on one, when its next attempt is its last) is prefilled by
 a decode replica itself, with no transfer. Errors in the request itself
 (ValueError: too long a prompt, a KV layout mismatch) are not retried.
@@ -207,7 +209,9 @@ async def migrating(
             # The replica that failed: the one last heard from, or the one the error names
             # (a replica that failed before its first answer: ReplicaFailure).
             at.replica = at.replica or getattr(exc, "replica_id", None)
-            moved = number < max_migrations
+            # A constraint starts at the answer's first token: an answer cut after some tokens
+            # cannot go on under it from a longer prompt, so such a request is not moved.
+            moved = number < max_migrations and not (delivered and request.params.structured)
             if on_failure is not None:
                 on_failure(at.replica, moved)
             if not moved:

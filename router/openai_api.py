@@ -362,7 +362,8 @@ async def openai_generate(
             return JSONResponse(whole)
         first = await _first(streams)
     except InvalidRequest as exc:
-        service.record_refusal("invalid")
+        if not exc.counted:
+            service.record_refusal("invalid")
         return error_response(400, str(exc), "invalid_request_error", exc.field)
     except BodyTooLarge as exc:
         service.record_refusal("too_large")

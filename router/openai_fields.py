@@ -28,6 +28,7 @@ HONOURED = frozenset(
     | {"stream_options", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p"}
     | {"seed", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty"}
     | {"repetition_penalty", "add_special_tokens", "request_id", "n", "logprobs", "top_logprobs"}
+    | {"response_format", "structured_outputs"}
 )
 
 IGNORED = frozenset(
@@ -48,8 +49,6 @@ AT_DEFAULT_ONLY: Mapping[str, tuple[Any, ...]] = {
     "allowed_token_ids": (),
     "bad_words": ([],),
     "logprob_token_ids": (),
-    "response_format": ({"type": "text"},),
-    "structured_outputs": (),
     "truncate_prompt_tokens": (),
     "prompt_embeds": (),
     "cache_salt": (),

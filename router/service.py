@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from engine.messages import GenerationRequest, TokenEvent, TokenLogprobs
+from engine.messages import EngineRefused, GenerationRequest, TokenEvent, TokenLogprobs
 from engine.prompts import NoChatTemplate, encode_chat, encode_text
 from router.admission import (
     AdmissionLimits,
@@ -259,6 +259,15 @@ class RouterService:
                             event = await anext(events)
                     except StopAsyncIteration:
                         break
+                    except EngineRefused as exc:
+                        # Before any token (vLLM checks a request as it adds it): a 400 naming
+                        # the field, counted here as the refusal it is.
+                        outcome = "invalid"
+                        field = prepared.validated.structured_field or "body"
+                        cause = getattr(exc, "cause", exc)  # Ray's task error: its cause
+                        refused = InvalidRequest(field, f"refused by the engine: {cause}")
+                        refused.counted = True
+                        raise refused from exc
                     except TimeoutError:
                         if not bound.expired():
                             raise  # the engines' own, not this bound
@@ -305,7 +314,7 @@ class RouterService:
             finally:
                 await events.aclose()  # type: ignore[attr-defined]
         except Exception:
-            if outcome != "timeout":
+            if outcome not in ("timeout", "invalid"):
                 outcome = "error"
             raise
         finally:

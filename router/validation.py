@@ -19,12 +19,19 @@ INVALID_ARGUMENT / HTTP 400.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.params import MAX_LOGPROBS, MAX_TOKENS_LIMIT, GenerationParams
+from engine.params import (
+    MAX_LOGPROBS,
+    MAX_TOKENS_LIMIT,
+    STRUCTURED_KINDS,
+    GenerationParams,
+    StructuredOutput,
+)
 from router.openai_fields import first_unsupported
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
@@ -41,6 +48,8 @@ class InvalidRequest(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+        # True when the request was already counted (refused by an engine after admission).
+        self.counted = False
 
     def __reduce__(self) -> tuple[type[InvalidRequest], tuple[str, str]]:
         # Crosses processes (replica -> Serve proxy): rebuild from both arguments.
@@ -61,6 +70,8 @@ class RequestLimits:
     # The detokenizer scans each stop string on every token: their length bounds its cost.
     max_stop_chars: int = 256
     max_messages: int = 1024
+    # The engine compiles a constraint before the first token: its size bounds that work.
+    max_structured_chars: int = 65_536
     # Choices per request (OpenAI's `n`): each is a request of its own in the pools.
     max_n: int = 8
 
@@ -73,8 +84,12 @@ class RequestLimits:
             raise ValueError(f"max_tokens_limit must be in [1, {MAX_TOKENS_LIMIT}]")
         if not 1 <= self.default_max_tokens <= self.max_tokens_limit:
             raise ValueError("default_max_tokens must be in [1, max_tokens_limit]")
-        if min(self.max_prompt_chars, self.max_stop_chars, self.max_messages) < 1:
-            raise ValueError("max_prompt_chars, max_stop_chars and max_messages must be >= 1")
+        limits = (self.max_prompt_chars, self.max_stop_chars, self.max_messages)
+        if min(*limits, self.max_structured_chars) < 1:
+            raise ValueError(
+                "max_prompt_chars, max_stop_chars, max_messages and max_structured_chars "
+                "must be >= 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -101,6 +116,8 @@ class ValidatedRequest:
     # None: the endpoint's default (prompts get the tokenizer's special tokens, chat does not).
     add_special_tokens: bool | None = None
     n: int = 1
+    # The body field that carried a structured-output constraint (for an engine's refusal).
+    structured_field: str | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -128,6 +145,7 @@ def validate_request(body: Mapping[str, Any], limits: RequestLimits) -> Validate
         max_tokens = _optional_int(body, "max_tokens", 1, limits.max_tokens_limit)
     resolved_max_tokens = limits.default_max_tokens if max_tokens is None else max_tokens
     top_k = _optional_int(body, "top_k", -1, None, hint=" (0 or -1 disables it)") or 0
+    structured_field, structured = _structured(body, limits) or (None, None)
     params = GenerationParams(
         max_tokens=resolved_max_tokens,
         temperature=_optional_float(body, "temperature", 0.0, 2.0, default=0.0),
@@ -144,6 +162,7 @@ def validate_request(body: Mapping[str, Any], limits: RequestLimits) -> Validate
         ),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
         logprobs=_logprobs(body, is_chat=messages is not None),
+        structured=structured,
     )
     n = _optional_int(body, "n", 1, limits.max_n) or 1
     if params.seed is not None and params.seed + n - 1 > MAX_SEED:
@@ -169,6 +188,7 @@ def validate_request(body: Mapping[str, Any], limits: RequestLimits) -> Validate
         continuous_usage=continuous_usage,
         add_special_tokens=add_special_tokens,
         n=n,
+        structured_field=structured_field,
     )
 
 
@@ -338,6 +358,115 @@ def _logprobs(body: Mapping[str, Any], *, is_chat: bool) -> int | None:
     if top and not wanted:
         raise InvalidRequest("top_logprobs", "needs logprobs: true")
     return (top or 0) if wanted else None
+
+
+def _structured(
+    body: Mapping[str, Any], limits: RequestLimits
+) -> tuple[str, StructuredOutput] | None:
+    """The constraint of `response_format` (OpenAI: json_object, json_schema) or of vLLM's
+    `structured_outputs` (one of json, json_object, regex, choice, grammar), not both, and the
+    field that carried it."""
+    from_format = _response_format(body.get("response_format"))
+    raw = body.get("structured_outputs")
+    if raw is None:
+        found = from_format
+    elif from_format is not None:
+        raise InvalidRequest(
+            "structured_outputs", "cannot be sent with a response_format other than text"
+        )
+    else:
+        found = _structured_outputs(raw)
+    if found is None:
+        return None
+    field, structured = found
+    spec = structured.spec
+    size = (
+        0
+        if isinstance(spec, bool)
+        else sum(map(len, spec))
+        if isinstance(spec, tuple)
+        else len(spec)
+    )
+    if size > limits.max_structured_chars:
+        raise InvalidRequest(
+            field,
+            f"is {size} characters; at most {limits.max_structured_chars} are accepted",
+        )
+    return found
+
+
+def _response_format(raw: object) -> tuple[str, StructuredOutput] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise InvalidRequest("response_format", f"must be an object, got {_type_name(raw)}")
+    kind = raw.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "response_format", StructuredOutput("json_object", True)
+    if kind != "json_schema":
+        raise InvalidRequest(
+            "response_format.type",
+            f"must be text, json_object or json_schema, got {_echo(repr(kind))}",
+        )
+    json_schema = raw.get("json_schema")
+    if not isinstance(json_schema, Mapping):
+        raise InvalidRequest(
+            "response_format.json_schema", f"must be an object, got {_type_name(json_schema)}"
+        )
+    schema = json_schema.get("schema")
+    if not isinstance(schema, Mapping):
+        raise InvalidRequest(
+            "response_format.json_schema.schema",
+            f"must be a JSON schema object, got {_type_name(schema)}",
+        )
+    field = "response_format.json_schema.schema"
+    return field, StructuredOutput("json", json.dumps(schema))
+
+
+def _structured_outputs(raw: object) -> tuple[str, StructuredOutput]:
+    if not isinstance(raw, Mapping):
+        raise InvalidRequest("structured_outputs", f"must be an object, got {_type_name(raw)}")
+    for key in raw:
+        if key not in STRUCTURED_KINDS:
+            raise InvalidRequest(
+                f"structured_outputs.{_echo(str(key))}",
+                "is not supported by pdserve; send one of " + ", ".join(STRUCTURED_KINDS),
+            )
+    kinds = [k for k in STRUCTURED_KINDS if raw.get(k) is not None]
+    if len(kinds) != 1:
+        raise InvalidRequest(
+            "structured_outputs",
+            "must set exactly one of " + ", ".join(STRUCTURED_KINDS) + f", got {len(kinds)}",
+        )
+    (kind,) = kinds
+    field, value = f"structured_outputs.{kind}", raw[kind]
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidRequest(field, f"must be true, got {_echo(repr(value))}")
+        return field, StructuredOutput(kind, True)
+    if kind == "json":
+        if isinstance(value, Mapping):
+            return field, StructuredOutput(kind, json.dumps(value))
+        if not isinstance(value, str):
+            raise InvalidRequest(field, f"must be a JSON schema, got {_type_name(value)}")
+        _check_text(field, value)
+        return field, StructuredOutput(kind, value)
+    if kind == "choice":
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise InvalidRequest(field, "must be a list of one or more non-empty strings")
+        for choice in value:
+            _check_text(field, choice)
+        return field, StructuredOutput(kind, tuple(value))
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(field, f"must be a non-empty string, got {_type_name(value)}")
+    _check_text(field, value)
+    return field, StructuredOutput(kind, value)
 
 
 def _stream_options(raw: object, stream: bool) -> tuple[bool, bool]:

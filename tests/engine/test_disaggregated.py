@@ -4,12 +4,13 @@ transformers, for each KV backend and both models."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
 from decode_workers.worker import DecodeWorker
 from engine.local import LocalEngine
-from engine.params import GenerationParams
+from engine.params import GenerationParams, StructuredOutput
 from engine.reference import ReferenceModel
 from engine.stats import KVLoadCounts
 from prefill_workers.worker import PrefillWorker
@@ -111,3 +112,31 @@ async def test_first_token_is_streamed_before_decode(pd_case: tuple[str, str, Pa
     assert not any(e.is_first for e in events[1:])
     assert sum(len(e.token_ids) for e in events) == 6
     assert events[-1].finish_reason == "length"
+
+
+@TINY_PAIRS
+async def test_structured_output_holds_across_the_pools(
+    pd_case: tuple[str, str, Pair], request: pytest.FixtureRequest
+) -> None:
+    """A constraint reaches both pools: prefill samples the first token under it, decode loads
+    the prompt's KV, re-samples that token under it and goes on. The answer is the monolithic
+    engine's under the same constraint, meets it, and is not the unconstrained answer."""
+    _, model_name, (prefill, decode) = pd_case
+    mono, _ = _oracles(request, model_name)
+    prompt = prompt_of_length(mono.tokenizer, 40)
+    choices = ("alpha", "beta", "gamma")
+    cases = [
+        (StructuredOutput("regex", "[0-9]{3}-[a-z]{2,6}"), r"[0-9]{3}-[a-z]{2,6}"),
+        (StructuredOutput("choice", choices), "|".join(choices)),
+    ]
+    free = mono.generate([list(prompt)], make_greedy(max_tokens=16))[0].token_ids
+    before = decode.stats.kv_loads
+    for structured, pattern in cases:
+        params = make_greedy(max_tokens=16, structured=structured)
+        got = await run_pd(prefill, decode, make_request(prompt, params))
+        assert got == mono.generate([list(prompt)], params)[0].token_ids, structured
+        text = mono.tokenizer.decode(got, skip_special_tokens=True)
+        assert re.fullmatch(pattern, text), (structured, text)
+        assert got != free
+    assert_kv_loaded(decode, before, len(cases))
+    assert await wait_idle(prefill, decode)

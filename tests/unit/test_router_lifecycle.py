@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engine.messages import KVTransferError, TokenEvent
+from engine.params import StructuredOutput
 from router.lifecycle import StreamInterrupted, generate_colocated, generate_disaggregated
 from tests.fakes import FakeColocated, FakeDecode, FakePrefill, ids, make_request
 
@@ -292,3 +293,18 @@ async def test_a_short_prompt_the_router_keeps_local_is_prefilled_on_decode_alon
     )
     assert tokens(events) == ids("World") and len(prefill.requests) == 1
     assert decisions == ["local", "remote"]
+
+
+async def test_a_constrained_stream_is_not_moved_once_it_has_tokens() -> None:
+    """A structured-output constraint starts at the answer's first token: a stream cut after
+    some tokens is interrupted, not resumed from a longer prompt. Before its first token it is
+    retried as any request is."""
+    request = make_request(max_tokens=5, structured=StructuredOutput("regex", "[A-z]+"))
+    engines = FakeColocated("World", error_at=2, fail_times=1)
+    with pytest.raises(StreamInterrupted, match="after 2 tokens were delivered"):
+        await collect(generate_colocated(engines, request))
+    assert len(engines.requests) == 1
+    prefill = FakePrefill(error=RuntimeError("the prefill replica died"), fail_times=1)
+    events = await collect(generate_disaggregated(prefill, FakeDecode(), request))
+    assert tokens(events) == ids("World")
+    assert [r.params.structured for r in prefill.requests] == [request.params.structured] * 2

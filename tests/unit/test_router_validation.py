@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.params import GenerationParams
+from engine.params import GenerationParams, StructuredOutput
 from router.validation import (
     ChatMessage,
     InvalidRequest,
@@ -73,7 +73,43 @@ def chat(*messages: Any) -> dict[str, Any]:
         (make_body(n=2, seed=2**63 - 1), "seed", "plus n - 1"),
         (make_body(echo=True), "echo", "not supported by pdserve; send False or None"),
         (make_body(logprobs=21), "logprobs", "in [0, 20]"),
-        (make_body(response_format={"type": "json_object"}), "response_format", "not supported"),
+        # Structured output: one constraint, well formed, bounded.
+        (make_body(response_format={"type": "xml"}), "response_format.type", "got 'xml'"),
+        (make_body(response_format="json"), "response_format", "must be an object"),
+        (
+            make_body(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+            "response_format.json_schema.schema",
+            "got null",
+        ),
+        (
+            make_body(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+            "structured_outputs",
+            "other than text",
+        ),
+        (make_body(structured_outputs={}), "structured_outputs", "exactly one of"),
+        (
+            make_body(structured_outputs={"regex": "a", "choice": ["a"]}),
+            "structured_outputs",
+            "got 2",
+        ),
+        (
+            make_body(structured_outputs={"structural_tag": "{}"}),
+            "structured_outputs.structural_tag",
+            "not supported",
+        ),
+        (make_body(structured_outputs={"choice": []}), "structured_outputs.choice", "one or more"),
+        (make_body(structured_outputs={"regex": 7}), "structured_outputs.regex", "got int"),
+        (
+            make_body(structured_outputs={"json_object": False}),
+            "structured_outputs.json_object",
+            "must be true",
+        ),
+        (
+            make_body(structured_outputs={"grammar": "x" * 65_537}),
+            "structured_outputs.grammar",
+            "65537 characters; at most 65536",
+        ),
+        (make_body(structured_outputs={"regex": "\ud800"}), "structured_outputs.regex", "Unicode"),
         (make_body(stream_options={"include_usage": True}), "stream_options", "stream: true"),
         (make_body(stream=True, stream_options=[]), "stream_options", "must be an object"),
         (
@@ -133,6 +169,45 @@ def test_bad_bodies_raise_naming_the_field(body: dict[str, Any], field: str, wor
     assert raised.value.field == field
     assert str(raised.value).startswith(f"{field}: ")
     assert words in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object", True)),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "integer"}},
+                }
+            },
+            StructuredOutput("json", '{"type": "integer"}'),
+        ),
+        ({"structured_outputs": {"regex": "[0-9]{3}"}}, StructuredOutput("regex", "[0-9]{3}")),
+        (
+            {"structured_outputs": {"choice": ["yes", "no"], "json": None}},
+            StructuredOutput("choice", ("yes", "no")),
+        ),
+        (
+            {"structured_outputs": {"json": {"type": "string"}}},
+            StructuredOutput("json", '{"type": "string"}'),
+        ),
+        (
+            {"structured_outputs": {"grammar": 'root ::= "a"'}},
+            StructuredOutput("grammar", 'root ::= "a"'),
+        ),
+    ],
+)
+def test_structured_output_is_typed_for_the_engine(
+    fields: dict[str, Any], expected: StructuredOutput | None
+) -> None:
+    validated = validate_request(make_body(**fields), LIMITS)
+    assert validated.params.structured == expected
+    assert (validated.structured_field is None) == (expected is None)
+    if expected is not None:
+        assert len(expected.vllm_kwargs()) == 1
 
 
 def test_a_refused_huge_value_is_not_echoed_whole() -> None:
