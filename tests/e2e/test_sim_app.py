@@ -28,6 +28,10 @@ from tests.e2e.conftest import (
 PROFILE = load_profile("cpu-smollm2")
 LINK = load_link(PROFILE.default_link)
 START_DELAY_S = 1.5
+# The profile's times are floors but for this: steps run back to back on the profile's clock
+# (engine/sim/engine.py), so a request scheduled a moment after the engine woke ends that much
+# early (0.2 ms seen in a clean-clone run).
+FLOOR_SLACK_S = 0.005
 
 
 def prefill_s(num_tokens: int) -> float:
@@ -95,8 +99,8 @@ def test_ttft_tpot_and_transfer_follow_the_profile(sim_apps: dict[str, ServedApp
     expected_prefill = prefill_s(n)
     # The profile's times are floors; the ceilings leave room for a loaded machine (asyncio's
     # sleeps overshoot when the replica's process waits for a core).
-    assert expected_prefill <= first.prefill_s < expected_prefill * 1.2 + 0.05
-    assert expected_prefill <= first.ttft_s < expected_prefill + 1.0
+    assert expected_prefill - FLOOR_SLACK_S <= first.prefill_s < expected_prefill * 1.2 + 0.05
+    assert expected_prefill - FLOOR_SLACK_S <= first.ttft_s < expected_prefill + 1.0
     # Decode pool's first token: the bytes over the link, one step computing the last prompt
     # position (its token is prefill's, dropped), one decode step.
     transfer = LINK.transfer_seconds(n * PROFILE.kv_bytes_per_token)
@@ -119,9 +123,12 @@ def test_same_prompt_same_tokens_in_both_topologies_and_prefix_cache_hits(
         third = collect(client.generate(prompt, max_tokens=12, ignore_eos=True))
     assert first.token_ids == second.token_ids == third.token_ids
     assert first.text == second.text and first.text
-    # The second prefill found the prompt's full blocks in the engine's prefix cache.
-    assert second.timings.prefill_s < 0.25 * first.timings.prefill_s
-    assert first.timings.prefill_s >= prefill_s(first.usage.prompt_tokens)
+    # The second prefill found the prompt's full blocks in the engine's prefix cache: it took
+    # less than the profile's floor for the whole prompt, which a miss never does (on a loaded
+    # machine a step overshoots its time, so no tighter bound holds).
+    whole = prefill_s(first.usage.prompt_tokens) - FLOOR_SLACK_S
+    assert first.timings.prefill_s >= whole
+    assert second.timings.prefill_s < whole, (second.timings.prefill_s, whole)
 
 
 async def test_concurrent_streams_batch_on_the_decode_engine(
