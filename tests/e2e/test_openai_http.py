@@ -18,6 +18,7 @@ from engine.local import LocalEngine
 from engine.params import GenerationParams, StructuredOutput
 from tests.builders import make_greedy
 from tests.e2e.conftest import ServedApp
+from tests.e2e.metrics import settled_metric
 
 pytestmark = pytest.mark.engine
 
@@ -329,9 +330,11 @@ def test_structured_output_constrains_the_answer_as_the_engine_does(
     assert regex.choices[0].finish_reason == "stop"
     assert coloured.choices[0].text == engine_text(StructuredOutput("json", json.dumps(COLOURS)))
     assert json.loads(coloured.choices[0].text) in COLOURS["enum"]
-    # A constraint vLLM cannot compile is the request's fault: a 400, and the app serves on.
+    # A constraint vLLM cannot compile is the request's fault: a 400 counted once as invalid,
+    # and the app serves on.
     import openai
 
+    invalid_before = settled_metric("pdserve_requests_total", app=app.name, outcome="invalid")
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(  # type: ignore[attr-defined]
             model="tiny",
@@ -340,6 +343,8 @@ def test_structured_output_constrains_the_answer_as_the_engine_does(
             extra_body={"structured_outputs": {"regex": "[0-9"}},
         )
     assert "structured_outputs.regex: refused by the engine" in str(refused.value)
+    invalid = settled_metric("pdserve_requests_total", app=app.name, outcome="invalid")
+    assert invalid == invalid_before + 1
     again = client.completions.create(  # type: ignore[attr-defined]
         model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, extra_body=IGNORE_EOS
     )
