@@ -12,9 +12,8 @@ uninterrupted run's). The replicas that failed the request are passed on (`avoid
 request routers choose others. After `max_migrations` such restarts the next failure is a
 `StreamInterrupted` naming how many tokens were delivered; so is the first failure after a token
 of a request under a structured-output constraint, which cannot resume from a longer prompt. A
-request that failed on
-`PREFILL_TRIES` prefill replicas (or on one, when its next attempt is its last) is prefilled by
-a decode replica itself, with no transfer. Errors in the request itself
+request that failed on `PREFILL_TRIES` prefill replicas (or on one, when its next attempt is its
+last) is prefilled by a decode replica itself, with no transfer. Errors in the request itself
 (ValueError: too long a prompt, a KV layout mismatch) are not retried.
 
 The pools are ports: a PrefillWorker/DecodeWorker in-process (engine tests), or Serve handles to

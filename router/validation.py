@@ -380,13 +380,9 @@ def _structured(
         return None
     field, structured = found
     spec = structured.spec
-    size = (
-        0
-        if isinstance(spec, bool)
-        else sum(map(len, spec))
-        if isinstance(spec, tuple)
-        else len(spec)
-    )
+    if isinstance(spec, bool):  # json_object: nothing to bound
+        return found
+    size = sum(map(len, spec)) if isinstance(spec, tuple) else len(spec)
     if size > limits.max_structured_chars:
         raise InvalidRequest(
             field,
