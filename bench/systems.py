@@ -75,14 +75,15 @@ def start_system(
 
 @contextmanager
 def _pdserve(system: SystemName, config: AppConfig, timeout_s: float) -> Iterator[Target]:
-    from deploy.local import free_port
+    from deploy.local import free_ports
     from deploy.up import down, up
 
     previous = os.environ.get("PDSERVE_RUN_DIR")
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as run_dir:
         os.environ["PDSERVE_RUN_DIR"] = run_dir
         try:
-            run = up(config, http_port=free_port(), grpc_port=free_port(), timeout_s=timeout_s)
+            http_port, grpc_port = free_ports(2)
+            run = up(config, http_port=http_port, grpc_port=grpc_port, timeout_s=timeout_s)
             try:
                 # `up` makes the run an API key (auth is on by default): the client sends it.
                 yield GrpcTarget(

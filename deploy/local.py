@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-# Re-exported: callers have long taken them from here.
+# Re-exported: callers take them from here.
 from engine.ports import LOOPBACK as LOOPBACK
 from engine.ports import free_port as free_port
-from engine.ports import free_ports
+from engine.ports import free_ports as free_ports
 
 RUN_MARKER = "PDSERVE_RUN_ID"
 # Where Ray's CLIs look for a cluster: `ray status` the GCS, `serve` and `ray job` the dashboard.

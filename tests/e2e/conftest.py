@@ -241,9 +241,9 @@ def serve_proxy(ray_cluster: object) -> Iterator[ServeProxy]:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from deploy.local import GRPC_SERVICERS, free_port
+    from deploy.local import GRPC_SERVICERS, free_ports
 
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port = free_ports(2)
     serve.start(
         proxy_location="HeadOnly",
         http_options={"host": "127.0.0.1", "port": http_port},

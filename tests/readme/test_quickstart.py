@@ -25,7 +25,7 @@ import pytest
 
 from deploy.cli import LOCAL_CONFIG
 from deploy.config import load_app_config
-from deploy.local import free_port, marked_pids, pid_is_alive, ray_temp_dir
+from deploy.local import free_ports, marked_pids, pid_is_alive, ray_temp_dir
 from deploy.up import ray_num_cpus
 from tests.procs import descendants, listening_sockets
 from tests.readme.cli import fresh_env, pdserve
@@ -42,7 +42,7 @@ def local_run(
 ) -> Iterator[tuple[dict[str, str], dict[str, object]]]:
     home = tmp_path_factory.mktemp("home")
     env = fresh_env(home)
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port = free_ports(2)
     up = pdserve(
         env, "up", "--http-port", str(http_port), "--grpc-port", str(grpc_port), timeout=900
     )

@@ -20,7 +20,7 @@ import pytest
 
 from api.client import PDServeClient, collect
 from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
-from deploy.local import free_port
+from deploy.local import free_ports
 from tests.certs import self_signed
 from tests.procs import descendants, listening_sockets
 from tests.readme.cli import fresh_env, pdserve
@@ -38,7 +38,7 @@ def tls_run(
     home = tmp_path_factory.mktemp("home")
     env = fresh_env(home)
     cert, key = self_signed(tmp_path_factory.mktemp("tls"))
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port = free_ports(2)
     config = tmp_path_factory.mktemp("config") / "app.yaml"
     config.write_text(f"router:\n  max_in_flight: {CAPACITY}\n")
     up = pdserve(
