@@ -21,7 +21,7 @@ from engine.sim.blocks import BlockPool, block_hashes
 from engine.sim.tokens import TokenSource
 
 
-@dataclass
+@dataclass(eq=False)  # one request is one object: `in` and `remove` by identity
 class SimRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
