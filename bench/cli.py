@@ -25,7 +25,7 @@ LOCAL_CONFIG = Path(__file__).resolve().parents[1] / "deploy" / "configs" / "loc
 
 def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     from bench.systems import ALL_SYSTEMS, DEFAULT_SIM_PROFILE, SYSTEMS
-    from bench.workload import workload_names
+    from deploy.workload import workload_names
 
     bench = commands.add_parser("bench", help="latency, goodput and cost, side by side")
     actions = bench.add_subparsers(dest="bench_command", required=True, metavar="ACTION")
@@ -96,8 +96,8 @@ def _add_judging_flags(parser: argparse.ArgumentParser) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from bench.suite import BenchPlan, run_benchmark
-    from bench.workload import load_workload
     from deploy.config import AppConfig, load_app_config
+    from deploy.workload import load_workload
     from engine.models import resolve_model
     from engine.prompts import load_tokenizer
 

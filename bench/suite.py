@@ -21,7 +21,8 @@ from bench.report import Report, Run, markdown
 from bench.runner import Arrival, run_load, warm_up
 from bench.stats import SLO
 from bench.targets import Target
-from bench.workload import Workload, build_requests
+from bench.workload import build_requests
+from deploy.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.workload import Workload
+from deploy.workload import Workload
 from engine.params import GenerationParams
 from engine.platform import detect_device
 from engine.settings import EngineSettings

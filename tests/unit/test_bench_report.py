@@ -13,7 +13,8 @@ from bench.record import RequestRecord, ServerTimings
 from bench.report import Report, Run, markdown
 from bench.runner import Arrival
 from bench.stats import SLO
-from bench.workload import Workload, build_requests, load_workload, read_trace, workload_names
+from bench.workload import build_requests
+from deploy.workload import Workload, load_workload, read_trace, workload_names
 
 SLO_ = SLO(ttft_s=1.0, tpot_s=0.1)
 
