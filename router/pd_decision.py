@@ -9,7 +9,9 @@ use a fixed threshold of uncached tokens.
     remote TTFT = a + queue_left(prefill replica) + b x uncached there + transfer_s(prompt)
     local TTFT  = queue_left(decode replica) + a + b x prompt tokens
     stall       = a + b x prompt tokens: the decode replica's streams wait that once, which
-                  over their mean output length must fit in (TPOT SLO - observed TPOT) each
+                  over their mean output length must fit in (TPOT SLO - observed TPOT) each;
+                  observed TPOT is the P95 of the last 64 requests' (the SLO is a P95: a
+                  mean let local prefills pile up until half the streams missed it)
     queue_left  = max(0, b x queued tokens - seconds since the queue was reported)
 
 `a + b x tokens` (prefill compute) and `transfer_s` are least-squares lines over the last
@@ -29,6 +31,8 @@ Path = Literal["local", "remote"]
 
 # Until the transfer rate is fitted, one request in this many goes remote to measure it.
 EXPLORE_EVERY = 4
+# Answers shorter than this tell the decider nothing of TPOT.
+MIN_TPOT_TOKENS = 8
 
 
 class LinearFit:
@@ -86,6 +90,22 @@ class LinearFit:
     def predict(self, tokens: float) -> float | None:
         line = self.line()
         return None if line is None else line[0] + line[1] * max(0.0, tokens)
+
+
+class RecentQuantile:
+    """The q-quantile of the last `window` values (the nearest rank); None before the first."""
+
+    def __init__(self, q: float, window: int = 64) -> None:
+        if not 0 < q <= 1 or window < 1:
+            raise ValueError(f"need 0 < q <= 1 and window >= 1, got {q}, {window}")
+        self._q = q
+        self._values: deque[float] = deque(maxlen=window)
+        self.value: float | None = None
+
+    def add(self, value: float) -> None:
+        self._values.append(value)
+        ordered = sorted(self._values)
+        self.value = ordered[min(len(ordered) - 1, int(self._q * len(ordered)))]
 
 
 class Mean:
@@ -157,7 +177,7 @@ class PDDecider:
         self.prefill = LinearFit(window)  # compute seconds against prompt tokens computed
         # The decode call to decode's first token, against prompt tokens.
         self.transfer = LinearFit(window, fallback="constant")
-        self.tpot = Mean()
+        self.tpot = RecentQuantile(0.95, window)
         self.output_tokens = Mean()
         self._num_unfitted = 0
 
@@ -170,11 +190,12 @@ class PDDecider:
         num_output_tokens: int,
     ) -> None:
         """One finished request: its prompt's compute time (either path), its KV transfer
-        (remote only), and its decode rate."""
+        (remote only), and its decode rate. The TPOT of an answer shorter than
+        `MIN_TPOT_TOKENS` is left out: over so few gaps it is mostly the one handoff."""
         self.prefill.add(num_prompt_tokens, prefill_s)
         if kv_transfer_s is not None:
             self.transfer.add(num_prompt_tokens, kv_transfer_s)
-        if mean_tpot_s is not None and num_output_tokens > 1:
+        if mean_tpot_s is not None and num_output_tokens >= MIN_TPOT_TOKENS:
             self.tpot.add(mean_tpot_s)
             self.output_tokens.add(num_output_tokens)
 
@@ -202,7 +223,8 @@ class PDDecider:
         headroom = None
         if inputs.decode.num_running > 0:
             # The streams on that engine wait `stall` once; over a stream's output that adds
-            # stall / tokens to its mean TPOT, which must stay under the SLO.
+            # stall / tokens to its mean TPOT, which must stay under the SLO where the
+            # recent tail already is.
             headroom = max(0.0, self.tpot_slo_s - _known(self.tpot.value)) * _known(
                 self.output_tokens.value
             )

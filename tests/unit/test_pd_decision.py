@@ -6,11 +6,13 @@ import pytest
 
 from router.pd_decision import (
     EXPLORE_EVERY,
+    MIN_TPOT_TOKENS,
     LinearFit,
     Mean,
     PDDecider,
     PDInputs,
     PoolSnapshot,
+    RecentQuantile,
 )
 
 
@@ -56,6 +58,38 @@ def test_mean_weights_new_values() -> None:
     mean.add(1.0)
     mean.add(3.0)
     assert mean.value == 2.0
+
+
+def test_recent_quantile_keeps_the_tail_of_a_window() -> None:
+    tail = RecentQuantile(0.95, window=20)
+    assert tail.value is None
+    for value in range(1, 21):
+        tail.add(float(value))
+    assert tail.value == 20.0  # the 95th percentile of 20 values: the highest
+    for _ in range(19):
+        tail.add(1.0)
+    assert tail.value == 20.0  # still in the window
+    tail.add(1.0)
+    assert tail.value == 1.0
+    with pytest.raises(ValueError, match="q"):
+        RecentQuantile(0.0)
+
+
+def test_the_tpot_tail_not_the_mean_limits_local_prefills() -> None:
+    """TPOT's SLO is a P95: one stream in 10 at the SLO leaves the local path no headroom,
+    though the mean TPOT is well under it (the mean let local prefills pile onto a decode
+    engine until half its streams missed; deploy/plan.py measured it)."""
+    decider = fitted(tpot_slo_s=0.3)
+    assert decider.decide(inputs(500, running=8)).path == "local"
+    for i in range(20):
+        decider.observe(1000, 1.05, 0.12, 0.3 if i % 10 == 0 else 0.1, 100)
+    decision = decider.decide(inputs(500, running=8))
+    assert decision.path == "remote" and decision.headroom_s == 0.0, decision.describe()
+    # A short answer's TPOT is mostly its one handoff gap: not counted.
+    decider = fitted(tpot_slo_s=0.3)
+    for _ in range(20):
+        decider.observe(1000, 1.05, 0.12, 1.0, MIN_TPOT_TOKENS - 1)
+    assert decider.decide(inputs(500, running=8)).path == "local"
 
 
 def fitted(tpot_slo_s: float = 0.3) -> PDDecider:
