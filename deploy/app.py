@@ -3,6 +3,7 @@
     disaggregated:  Router --prefill()--> Prefill pool
                            --decode()---> Decode pool
     colocated:      Router --generate()--> Engine pool
+    auto:           one of those, as deploy/plan.py's planner picks it for `plan`'s workload
 
 Also the import path of a Serve config (`import_path: deploy.app:build_app`, `args:` = the
 AppConfig tree, validated by Serve against the annotation). Each pool is built by the same
@@ -12,6 +13,7 @@ deployment is bound to its own frozen settings record (deploy/settings.py), neve
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -24,10 +26,13 @@ from control.keys import REDIS_URL_ENV
 from decode_workers.colocated import ColocatedServer
 from decode_workers.deployment import DecodeServer
 from deploy.config import AppConfig, PoolName
+from deploy.plan import resolve_auto
 from deploy.settings import replica_settings, router_settings, transfer_settings
 from kv_transfer.base import make_backend
 from prefill_workers.deployment import PrefillServer
 from router.ingress import Router
+
+logger = logging.getLogger(__name__)
 
 DEPLOYMENT_NAMES: dict[PoolName, str] = {
     "prefill": "Prefill",
@@ -156,6 +161,9 @@ def _pool(config: AppConfig, pool: PoolName) -> Application:
 def build_app(config: AppConfig) -> Application:
     """The app graph for `config`; nothing starts until `serve.run` / `serve deploy`."""
     config = with_env_redis_url(config)
+    config, chosen = resolve_auto(config)
+    if chosen is not None:
+        logger.info("topology auto: %s", chosen.reason())
     router = serve.deployment(Router).options(
         name="Router",
         num_replicas=config.router.num_replicas,

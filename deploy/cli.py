@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deploy.cli_ops import add_operator_commands
+from deploy.cli_plan import add_plan_command
 from deploy.cli_sim import add_sim_commands
 from engine.models import builtin_names, resolve_model
 
@@ -47,6 +48,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.engine == "sim":
         data = with_sim_engine(data, args.profile, args.sim_link, args.start_delay)
     config = AppConfig.model_validate(data)
+    if config.topology == "auto":
+        from deploy.plan import format_plan, resolve_auto
+
+        print(f"pdserve up: planning the topology for workload {config.plan.workload}...")
+        config, chosen = resolve_auto(config)
+        assert chosen is not None
+        print(format_plan(chosen), flush=True)
     if bool(args.tls_cert) != bool(args.tls_key):
         print("pdserve up: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
@@ -245,7 +253,7 @@ def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="start a local Ray, Redis and the app; wait until healthy")
     up.add_argument("--config", default=str(LOCAL_CONFIG), help="pdserve or Serve config YAML")
     up.add_argument("--model", help="override engine.model (built-in name or HF folder)")
-    up.add_argument("--topology", choices=["disaggregated", "colocated"])
+    up.add_argument("--topology", choices=["disaggregated", "colocated", "auto"])
     up.add_argument("--backend", choices=["nixl", "ray"], help="KV transfer backend")
     up.add_argument(
         "--engine",
@@ -321,6 +329,7 @@ def build_parser(*more_commands: AddCommands) -> argparse.ArgumentParser:
 
     add_operator_commands(commands)
     add_sim_commands(commands)
+    add_plan_command(commands)
     for add_commands in more_commands:
         add_commands(commands)
 

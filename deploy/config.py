@@ -18,7 +18,7 @@ from autoscaling.config import DEFAULT_CONFIG, AutoscalingConfig
 from control.records import PoolSLO
 from engine.settings import CPU_BLOCK_MULTIPLE, DEFAULT_CPU_KV_CACHE_BYTES, SimSpec
 
-Topology = Literal["disaggregated", "colocated"]
+Topology = Literal["disaggregated", "colocated", "auto"]
 PoolName = Literal["prefill", "decode", "engine"]
 
 
@@ -289,6 +289,38 @@ class AutoscalingSection(_Strict):
         return PoolSLO(ttft_p95_s=self.ttft_p95_s, tpot_p95_s=self.tpot_p95_s)
 
 
+class PlanConfig(_Strict):
+    """`topology: auto`: the planner (deploy/plan.py) picks the topology, the P:D split and
+    adaptive prefill for this workload when the app is built, from a sim profile's step
+    times. `pdserve plan` shows every candidate's predicted goodput."""
+
+    workload: str = Field(
+        "chat", description="a named workload (deploy/workloads/) or a workload YAML's path"
+    )
+    profile: str | None = Field(
+        None,
+        description="sim profile to predict with (engine/sim/profiles/); None: the app's own "
+        "engine.sim profile, else cpu-smollm2 (this repository's CPU measurement)",
+    )
+    link: str | None = Field(None, description="KV link of the prediction; None: the profile's")
+    engines: int | None = Field(
+        None,
+        ge=1,
+        description="engines to split; None: prefill.num_replicas + decode.num_replicas",
+    )
+    attainment: float = Field(
+        0.9, gt=0, le=1, description="share of requests that must meet the workload's SLOs"
+    )
+    seed: int = Field(0, ge=0, description="seed of the modelled arrivals and lengths")
+    min_gain: float = Field(
+        1.1,
+        ge=1,
+        description="a split (disaggregated or adaptive) is picked over colocated only when "
+        "its predicted goodput is this many times colocated's: the model leaves out the hops "
+        "and the shared cores a split pays for",
+    )
+
+
 class ControlConfig(_Strict):
     redis_url: str | None = Field(
         None,
@@ -304,7 +336,9 @@ class AppConfig(_Strict):
         "pdserve", pattern=r"^[A-Za-z0-9_.-]+$", description="app name; Redis key prefix"
     )
     topology: Topology = Field(
-        "disaggregated", description="separate pools, or one engine for both phases"
+        "disaggregated",
+        description="separate pools, one engine for both phases, or auto: what `plan` picks "
+        "when the app is built",
     )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     prefill: PoolConfig = Field(default_factory=PoolConfig)
@@ -316,6 +350,9 @@ class AppConfig(_Strict):
     router: RouterConfig = Field(default_factory=RouterConfig)
     autoscaling: AutoscalingSection = Field(default_factory=AutoscalingSection)
     control: ControlConfig = Field(default_factory=ControlConfig)
+    plan: PlanConfig = Field(
+        default_factory=PlanConfig, description="the planner, for topology auto"
+    )
 
     @model_validator(mode="after")
     def _limits(self) -> AppConfig:
@@ -353,8 +390,12 @@ class AppConfig(_Strict):
 
     @property
     def pools(self) -> dict[PoolName, PoolConfig]:
+        """The engine pools of the topology (`auto`, until deploy/plan.py resolves it: every
+        pool it may become)."""
         if self.topology == "colocated":
             return {"engine": self.colocated}
+        if self.topology == "auto":
+            return {"prefill": self.prefill, "decode": self.decode, "engine": self.colocated}
         return {"prefill": self.prefill, "decode": self.decode}
 
 

@@ -182,6 +182,33 @@ def test_sim_replicas_load_neither_vllm_nor_torch(sim_apps: dict[str, ServedApp]
                 assert "libtorch" not in maps, name
 
 
+def test_topology_auto_deploys_what_the_plan_picks(serve_proxy: ServeProxy, tmp_path: Path) -> None:
+    """`topology: auto` is planned when Serve builds the app (deploy/plan.py): chat at a 0.3 s
+    TPOT on the CPU profile is served best by colocated x2 (1.29x the 1:1 split, predicted),
+    so where the config's pools say 1 prefill and 1 decode replica, Serve runs one Engine
+    deployment of 2 replicas, and it answers."""
+    from ray import serve
+
+    workload = tmp_path / "chat-loose.yaml"
+    workload.write_text(
+        "name: chat-loose\n"
+        "prompt_tokens: {kind: uniform, low: 64, high: 192}\n"
+        "output_tokens: {kind: uniform, low: 32, high: 96}\n"
+        "num_requests: 1\nrates: [1.0]\nslo: {ttft_s: 2.0, tpot_s: 0.3}\n"
+    )
+    data = sim_config("sim-auto", "auto").model_dump()
+    data["plan"] = {"workload": str(workload)}
+    config = AppConfig.model_validate(data)
+    assert (config.prefill.num_replicas, config.decode.num_replicas) == (1, 1)
+    with deployed("auto", config, serve_proxy) as app:
+        assert set(serve.status().applications[app.name].deployments) == {"Router", "Engine"}
+        assert replica_states(app.name, "Engine") == {"RUNNING": 2}
+        with app.client() as client:
+            done = collect(client.generate("Plan me.", max_tokens=4, ignore_eos=True))
+        assert done.usage.completion_tokens == 4 and len(done.token_ids) == 4
+        assert done.timings.kv_transfer_s == 0.0  # colocated: nothing crossed
+
+
 @pytest.fixture(scope="module")
 def adaptive_app(serve_proxy: ServeProxy) -> Iterator[ServedApp]:
     """A disaggregated sim app whose router decides where each prompt is prefilled

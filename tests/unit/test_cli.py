@@ -24,14 +24,31 @@ def test_help_lists_only_working_commands() -> None:
     # `slo` and `scale`: tests/e2e/test_autoscaling_serve_policy.py and test_autoscaling_app.py.
     # `bench run` and `bench compare`: tests/e2e/test_bench_run.py. `keys`: below. `env`:
     # tests/unit/test_up_cli.py, and with Ray's own CLIs in tests/readme/test_quickstart.py.
-    # `sim calibrate`: tests/engine/test_sim_calibrate.py.
+    # `sim calibrate`: tests/engine/test_sim_calibrate.py. `plan`: below.
     assert _listed_commands() == {
-        "up", "down", "status", "env", "generate", "model", "slo", "scale", "bench", "keys", "sim"
+        "up", "down", "status", "env", "generate", "model", "slo", "scale", "bench", "keys", "sim",
+        "plan",
     }  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-m", "pdserve_cli", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "generate" in out and "model" in out
+
+
+def test_plan_prints_each_candidate_and_the_pick(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    assert main(["plan", "--workload", "long-prompt", "--tpot", "0.1", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    names = [r["candidate"]["kind"] for r in shown["results"]]
+    assert names == ["colocated", "disaggregated", "adaptive"]
+    assert shown["tpot_slo_s"] == 0.1 and shown["ttft_slo_s"] == 15.0
+    assert shown["num_engines"] == 2 and shown["profile"] == "cpu-smollm2"
+    goodput = {r["candidate"]["kind"]: r["goodput"] for r in shown["results"]}
+    assert shown["pick"] == "disaggregated 1:1", goodput
+    assert main(["plan", "--workload", "chat"]) == 0
+    text = capsys.readouterr().out
+    assert "colocated x2" in text and "adaptive 1:1" in text and "\npick: " in text
 
 
 def test_keys_new_prints_a_key_and_only_its_hash_for_the_file(
