@@ -360,24 +360,16 @@ class _Engine:
         )
 
 
+@dataclass(frozen=True)
 class AppModel:
     """One candidate's app on a virtual clock."""
 
-    def __init__(
-        self,
-        candidate: Candidate,
-        profile: SimProfile,
-        link: Link,
-        shape: EngineShape,
-        ttft_slo_s: float,
-        tpot_slo_s: float,
-    ) -> None:
-        self.candidate = candidate
-        self.profile = profile
-        self.link = link
-        self.shape = shape
-        self.ttft_slo_s = ttft_slo_s
-        self.tpot_slo_s = tpot_slo_s
+    candidate: Candidate
+    profile: SimProfile
+    link: Link
+    shape: EngineShape
+    ttft_slo_s: float
+    tpot_slo_s: float
 
     def rate_alone(self, trace: Trace) -> float:
         """Requests per second the engines finish one at a time each (no batching): where the
