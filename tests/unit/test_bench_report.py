@@ -101,7 +101,12 @@ def test_plots_are_written(tmp_path: Path) -> None:
 
 
 def test_named_workloads_load() -> None:
-    assert workload_names() == ["chat", "long-prompt", "shared-prefix"]
+    assert workload_names() == [
+        "chat", "gpu-chat", "gpu-long", "gpu-mixed", "long-prompt", "shared-prefix"
+    ]  # fmt: skip
+    mixed = load_workload("gpu-mixed").lengths(400, seed=0)
+    long_prompts = [p for p, _ in mixed if p >= 2048]
+    assert 0.15 < len(long_prompts) / len(mixed) < 0.25 and max(p for p, _ in mixed) <= 3584
     long_prompt = load_workload("long-prompt")
     assert long_prompt.output_tokens is not None and long_prompt.output_tokens.value == 128
     assert load_workload("shared-prefix").shared_prefix_tokens == 512
