@@ -228,6 +228,11 @@ def plan(
     its goodput."""
     if not 0 < attainment <= 1:
         raise ValueError(f"attainment must be in (0, 1], got {attainment}")
+    if not any(vars(profile.step).values()):
+        raise ValueError(
+            f"sim profile {profile.name}: its steps take no time, so every rate meets any SLO "
+            "(it measures pdserve's own costs, not engines'): plan with a measured profile"
+        )
     trace = trace or Trace.of(workload)
     longest = max(p + o for p, o in trace.lengths)
     if longest > shape.max_model_len:

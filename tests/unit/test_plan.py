@@ -207,6 +207,9 @@ def test_other_topologies_pass_unplanned_and_bad_plan_fields_are_named() -> None
         AppConfig.model_validate({"topology": "auto", "plan": {"attainment": 0}})
     with pytest.raises(ValueError, match="unknown workload 'nope'"):
         resolve_auto(AppConfig.model_validate({"topology": "auto", "plan": {"workload": "nope"}}))
+    zero = AppConfig.model_validate({"topology": "auto", "plan": {"profile": "zero"}})
+    with pytest.raises(ValueError, match="sim profile zero: its steps take no time"):
+        resolve_auto(zero)
     too_long = AppConfig.model_validate(
         {"topology": "auto", "plan": {"workload": "long-prompt"}, "engine": {"max_model_len": 512}}
     )
