@@ -16,7 +16,9 @@ def add_plan_command(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--workload", help="named workload (deploy/workloads/) or YAML path")
     plan.add_argument("--profile", help="sim profile to predict with (default cpu-smollm2)")
     plan.add_argument("--link", help="KV link (default: the profile's)")
-    plan.add_argument("--engines", type=int, help="engines to split (default 2)")
+    plan.add_argument(
+        "--engines", type=int, help="engines to split (default: the config's prefill + decode)"
+    )
     plan.add_argument("--attainment", type=float, help="share meeting the SLOs (default 0.9)")
     plan.add_argument(
         "--min-gain", type=float, help="a split's goodput over colocated's to pick it (1.1)"
@@ -33,7 +35,7 @@ def add_plan_command(commands: argparse._SubParsersAction) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from deploy.config import AppConfig, load_app_config
     from deploy.plan import format_plan, plan_for
-    from deploy.workload import load_workload
+    from deploy.workload import WorkloadSLO, load_workload
 
     config = load_app_config(Path(args.config)) if args.config else AppConfig()
     data = config.model_dump()
@@ -46,14 +48,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "min_gain": args.min_gain,
     }
     data["plan"] |= {k: v for k, v in given.items() if v is not None}
-    if not args.config and args.engines is None:
-        data["plan"]["engines"] = 2
     config = AppConfig.model_validate(data)
     workload = load_workload(config.plan.workload)
-    slo = {"ttft_s": args.ttft, "tpot_s": args.tpot}
-    if any(v is not None for v in slo.values()):
+    slo = {k: v for k, v in (("ttft_s", args.ttft), ("tpot_s", args.tpot)) if v is not None}
+    if slo:  # validated as the workload's own SLO is
         workload = workload.model_copy(
-            update={"slo": workload.slo.model_copy(update={k: v for k, v in slo.items() if v})}
+            update={"slo": WorkloadSLO.model_validate(workload.slo.model_dump() | slo)}
         )
     result = plan_for(config, workload)
     if args.json:

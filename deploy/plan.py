@@ -37,7 +37,7 @@ from engine.sim.blocks import BlockPool
 from engine.sim.profile import Link, SimProfile, load_link, load_profile
 from engine.sim.scheduler import SimRequest, SimScheduler, Step
 from engine.sim.tokens import TokenSource
-from router.pd_decision import PDDecider, PDInputs, PoolSnapshot
+from router.pd_decision import PDDecider, PDInputs, PoolSnapshot, nearest_rank
 
 Kind = Literal["colocated", "disaggregated", "adaptive"]
 
@@ -220,12 +220,10 @@ def plan(
     shape: EngineShape,
     attainment: float = 0.9,
     trace: Trace | None = None,
-    only: Kind | None = None,
     min_gain: float = 1.0,
 ) -> Plan:
-    """Every candidate's goodput for `workload` (its SLO) on `num_engines` engines; `only`
-    keeps colocated and that kind; a split is picked over colocated only for `min_gain` times
-    its goodput."""
+    """Every candidate's goodput for `workload` (its SLO) on `num_engines` engines; a split is
+    picked over colocated only for `min_gain` times its goodput."""
     if not 0 < attainment <= 1:
         raise ValueError(f"attainment must be in (0, 1], got {attainment}")
     if not any(vars(profile.step).values()):
@@ -241,12 +239,12 @@ def plan(
             f"engines' max_model_len {shape.max_model_len}"
         )
     slo = workload.slo
-    results = []
-    for candidate in candidates(num_engines):
-        if only is not None and candidate.kind not in ("colocated", only):
-            continue
-        run = AppModel(candidate, profile, link, shape, slo.ttft_s, slo.tpot_s)
-        results.append(_goodput(run, trace, attainment))
+    results = [
+        _goodput(
+            AppModel(candidate, profile, link, shape, slo.ttft_s, slo.tpot_s), trace, attainment
+        )
+        for candidate in candidates(num_engines)
+    ]
     return Plan(
         workload.name,
         profile.name,
@@ -348,6 +346,14 @@ class _Req:
     handoff_at: float | None = None  # remote: its KV left the prefill engine
     kv_loaded_at: float | None = None  # remote: the decode engine's first (dropped) sample
 
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean seconds between the tokens the client got; None below two."""
+        if self.num_sent < 2:
+            return None
+        assert self.first_token_at is not None and self.last_token_at is not None
+        return (self.last_token_at - self.first_token_at) / (self.num_sent - 1)
+
 
 @dataclass(eq=False)
 class _Engine:
@@ -441,20 +447,18 @@ class _Run:
                 ttfts.append(math.inf)
                 tpots.append(math.inf)
                 continue
-            assert r.first_token_at is not None and r.last_token_at is not None
+            assert r.first_token_at is not None
             ttft = r.first_token_at - r.arrival
-            tpot = (r.last_token_at - r.first_token_at) / max(1, r.num_output - 1)
+            tpot = r.tpot_s or 0.0  # one token: no gap
             ttfts.append(ttft)
             tpots.append(tpot)
             met += ttft <= self.model.ttft_slo_s and tpot <= self.model.tpot_slo_s
         num_local = sum(r.local for r in self.requests)
-        if self.model.candidate.kind == "disaggregated":
-            num_local = 0
         return RunResult(
             self.rate,
             met / len(self.requests),
-            _p90(ttfts),
-            _p90(tpots),
+            nearest_rank(ttfts, 0.9),
+            nearest_rank(tpots, 0.9),
             num_local,
             len(self.requests) - num_local,
         )
@@ -575,18 +579,12 @@ class _Run:
     def _observe(self, owner: _Req) -> None:
         if self.decider is None:
             return
-        assert owner.first_token_at is not None and owner.last_token_at is not None
+        assert owner.first_token_at is not None
         start = owner.scheduled_at if owner.scheduled_at is not None else owner.arrival
         prefill_s = owner.first_token_at - start
         kv_transfer_s = None
         if not owner.local and owner.kv_loaded_at is not None and owner.handoff_at is not None:
             kv_transfer_s = owner.kv_loaded_at - owner.handoff_at
-        tpot = None
-        if owner.num_sent > 1:
-            tpot = (owner.last_token_at - owner.first_token_at) / (owner.num_sent - 1)
-        self.decider.observe(len(owner.prompt), prefill_s, kv_transfer_s, tpot, owner.num_sent)
-
-
-def _p90(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+        self.decider.observe(
+            len(owner.prompt), prefill_s, kv_transfer_s, owner.tpot_s, owner.num_sent
+        )

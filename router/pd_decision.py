@@ -24,6 +24,7 @@ Pure: the router feeds observations and snapshots in.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -92,8 +93,14 @@ class LinearFit:
         return None if line is None else line[0] + line[1] * max(0.0, tokens)
 
 
+def nearest_rank(values: Iterable[float], q: float) -> float:
+    """The q-quantile (0 < q <= 1) of non-empty `values` by the nearest rank: a value seen."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 class RecentQuantile:
-    """The q-quantile of the last `window` values (the nearest rank); None before the first."""
+    """The q-quantile of the last `window` values (`nearest_rank`); None before the first."""
 
     def __init__(self, q: float, window: int = 64) -> None:
         if not 0 < q <= 1 or window < 1:
@@ -104,8 +111,7 @@ class RecentQuantile:
 
     def add(self, value: float) -> None:
         self._values.append(value)
-        ordered = sorted(self._values)
-        self.value = ordered[min(len(ordered) - 1, int(self._q * len(ordered)))]
+        self.value = nearest_rank(self._values, self._q)
 
 
 class Mean:
