@@ -23,6 +23,7 @@ import asyncio
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -93,9 +94,11 @@ async def run(
     router_pid: int | None = None,
     burst_max_tokens: int = 8,
     proxy_pid: int | None = None,
+    router_in_flight: Callable[[], int] | None = None,
 ) -> dict[str, object]:
     """The burst against `target` (`metadata` on every call: the key, the application);
-    `router_pid`, `proxy_pid`: whose memory to read (None: not read)."""
+    `router_pid`, `proxy_pid`: whose memory to read (None: not read); `router_in_flight`: asks
+    the router how many requests it holds, right after the burst (None: not asked)."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pdserve_pb2_grpc.PDServeServiceStub(channel)
         firsts = [asyncio.Event() for _ in range(hold)]
@@ -114,6 +117,8 @@ async def run(
         burst_s = time.perf_counter() - sent
         # Still streaming when the last burst call ended: the burst met a full router.
         held_open = sum(1 for task in held if not task.done())
+        # The router's own count: a held stream the client still reads may be done there.
+        in_flight = None if router_in_flight is None else await asyncio.to_thread(router_in_flight)
         after, proxy_after = _memory_kib(router_pid), _memory_kib(proxy_pid)
         held_results = await asyncio.gather(*held)
     refused_ms = [1000 * s for code, s, _ in results if code == "RESOURCE_EXHAUSTED"]
@@ -130,6 +135,7 @@ async def run(
         if refused_ms
         else {},
         "held_open_after_burst": held_open,
+        "router_in_flight_after_burst": in_flight,
         "held_codes": dict(Counter(code for code, _, _ in held_results)),
         "held_full": sum(1 for code, _, n in held_results if code == "OK" and n == max_tokens),
         "router_rss_kib": {

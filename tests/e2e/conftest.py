@@ -111,6 +111,23 @@ class ServedApp:
             self.grpc_target, application=self.name, timeout_s=CALL_TIMEOUT_S, api_key=self.api_key
         )
 
+    def router_in_flight(self) -> int:
+        """The requests the app's (one) router holds now, as its /health counts them."""
+        import json
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.http_port}/{self.name}/health"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return int(json.loads(response.read())["in_flight"])
+
+    def wait_router_idle(self, timeout_s: float = 60) -> None:
+        """Until the router holds no request (a cancel reaches it after the client is gone).
+        Fails after `timeout_s`: a slot never given back is a leak."""
+        deadline = time.monotonic() + timeout_s
+        while (in_flight := self.router_in_flight()) != 0:
+            assert time.monotonic() < deadline, f"{in_flight} requests still in flight"
+            time.sleep(0.5)
+
     @property
     def engine_deployments(self) -> tuple[str, ...]:
         return ("Engine",) if self.config.topology == "colocated" else ("Prefill", "Decode")
@@ -217,9 +234,8 @@ def _app_configs(redis_url: str, api_keys_file: str) -> dict[str, AppConfig]:
         "ray": AppConfig.model_validate(
             {"name": "pd-ray", "kv_transfer": {"backend": "ray"}, **pools()}
         ),
-        # Two requests in flight at most: the overload tests fill it with two streams.
         "colocated": AppConfig.model_validate(
-            {"name": "colocated", "topology": "colocated", **pools(max_in_flight=2)}
+            {"name": "colocated", "topology": "colocated", **pools()}
         ),
     }
 

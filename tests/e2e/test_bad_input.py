@@ -7,6 +7,7 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -14,7 +15,8 @@ import pytest
 
 from api.client import collect
 from api.gen.pdserve.v1 import pdserve_pb2
-from tests.e2e.conftest import ServedApp
+from deploy.config import AppConfig, with_sim_engine
+from tests.e2e.conftest import ServedApp, ServeProxy, deployed
 
 pytestmark = pytest.mark.engine
 
@@ -162,12 +164,40 @@ def test_http_body_over_the_limit_is_413(serve_apps: dict[str, ServedApp]) -> No
     assert_still_serving(app)
 
 
-def test_overload_is_resource_exhausted_then_recovers(serve_apps: dict[str, ServedApp]) -> None:
-    app = serve_apps["colocated"]  # admits two requests in flight
+@pytest.fixture(scope="module")
+def admits_two(serve_proxy: ServeProxy) -> Iterator[ServedApp]:
+    """A colocated app whose router admits two requests in flight, on a simulated engine
+    (cpu-smollm2: about 60 ms a token): admission is the router's, whatever the engine, and
+    paced streams outlast a burst on any machine. On the tiny vLLM engine (about 200 tokens a
+    second) CI saw held streams end in the router while the loaded proxy still relayed them,
+    and 4 of a burst's calls admitted after them."""
+    base = AppConfig.model_validate(
+        {
+            "name": "admits-two",
+            "topology": "colocated",
+            "engine": {"model": "tiny", "kv_cache_memory_bytes": 64 * 1024**2},
+            "router": {"max_in_flight": 2},
+            "autoscaling": {"enabled": False},
+        }
+    )
+    config = AppConfig.model_validate(with_sim_engine(base.model_dump(), "cpu-smollm2"))
+    with deployed("admits-two", config, serve_proxy) as app:
+        yield app
+
+
+# Held streams: 300 tokens at the profile's ~60 ms each, 18 s in the engine.
+HELD_TOKENS = 300
+
+
+def test_overload_is_resource_exhausted_then_recovers(admits_two: ServedApp) -> None:
+    app = admits_two
     with app.client() as client:
-        holders = [client.generate(f"hold {i}", max_tokens=400, ignore_eos=True) for i in range(2)]
+        holders = [
+            client.generate(f"hold {i}", max_tokens=HELD_TOKENS, ignore_eos=True) for i in range(2)
+        ]
         for stream in holders:
             next(stream)  # both admitted and streaming
+        assert app.router_in_flight() == 2  # ...as the router counts them
         with pytest.raises(grpc.RpcError) as info:
             list(client.generate("one too many", max_tokens=4))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -175,56 +205,34 @@ def test_overload_is_resource_exhausted_then_recovers(serve_apps: dict[str, Serv
         assert status == 429, payload
         for stream in holders:
             stream.close()  # cancels the call: frees the admission slots
-    assert_still_serving_eventually(app)
+    app.wait_router_idle()
+    assert_still_serving(app)
 
 
 def test_a_burst_of_200_past_admission_is_refused_and_the_admitted_finish(
-    serve_apps: dict[str, ServedApp],
+    admits_two: ServedApp,
 ) -> None:
     """bench/overload.py's burst on the app that admits two: while both held streams are still
     streaming, all 200 more are refused with RESOURCE_EXHAUSTED (no other code, no hang), and
     the held ones finish whole."""
     from bench.overload import run
 
-    app = serve_apps["colocated"]
-    wait_router_idle(app)  # the last test's cancelled streams may still hold a slot
-    # Held streams long enough to outlast the burst in the engine, not only in the client's
-    # buffers: with 1,000 tokens a clean run's 8.9 s burst saw them end server-side while the
-    # client still read them, and 3 late burst calls were admitted. 2,000: the most the app's
-    # 2,048-token context leaves after the prompt.
-    report = asyncio.run(run(app.grpc_target, app.metadata, hold=2, burst=200, max_tokens=2000))
+    app = admits_two
+    app.wait_router_idle()  # the last test's cancelled streams may still hold a slot
+    report = asyncio.run(
+        run(
+            app.grpc_target,
+            app.metadata,
+            hold=2,
+            burst=200,
+            max_tokens=HELD_TOKENS,
+            router_in_flight=app.router_in_flight,
+        )
+    )
     shown = json.dumps(report)
-    assert report["held_open_after_burst"] == 2, shown
+    # The router still held both when the last burst call ended: every call met a full router.
+    assert report["router_in_flight_after_burst"] == 2, shown
     assert report["burst_codes"] == {"RESOURCE_EXHAUSTED": 200}, shown
     assert report["held_codes"] == {"OK": 2} and report["held_full"] == 2, shown
-    assert_still_serving_eventually(app)
-
-
-def wait_router_idle(app: ServedApp, timeout_s: float = 60) -> None:
-    """Until the app's (one) router holds no request: its /health counts them."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    url = f"http://127.0.0.1:{app.http_port}/{app.name}/health"
-    while True:
-        with urllib.request.urlopen(url, timeout=30) as response:
-            in_flight = json.loads(response.read())["in_flight"]
-        if in_flight == 0:
-            return
-        assert time.monotonic() < deadline, f"{in_flight} requests still in flight"
-        time.sleep(0.5)
-
-
-def assert_still_serving_eventually(app: ServedApp, attempts: int = 20) -> None:
-    """Cancellation reaches the router asynchronously; the slots free within moments."""
-    import time
-
-    for _ in range(attempts):
-        try:
-            assert_still_serving(app)
-            return
-        except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise
-            time.sleep(0.5)
+    app.wait_router_idle()
     assert_still_serving(app)

@@ -48,8 +48,6 @@ async def test_cancelled_streams_leave_no_kv_blocks(
         # After the first token, mid-decode, or at a random moment (maybe during prefill).
         num_chunks = [1, 5, 0][i % 3]
         cases.append(_cancel_after(app, prompt, num_chunks, rng.uniform(0.0, 0.6)))
-    if key == "colocated":
-        cases = cases[:2]  # this app admits two requests at a time
     before = await app.akv_loads() if app.is_disaggregated else None
     try:
         # Bounded: a stream that never starts fails here, with what each engine answers.
@@ -61,6 +59,9 @@ async def test_cancelled_streams_leave_no_kv_blocks(
     if before is not None:  # loads cut short by a cancel are not failed loads
         loads = (await app.akv_loads()).minus(before)
         assert loads.num_failures == loads.num_recomputed_tokens == 0, loads
+    # Every cancelled stream gave its admission slot back (the cancel can reach the router
+    # after the engines are idle: CI saw an app admitting two refuse the next call then).
+    await asyncio.to_thread(app.wait_router_idle, 60)
     # ...and the app still serves.
     async with app.aclient() as client:
         done = await client.complete("after the cancellations", max_tokens=3, ignore_eos=True)
