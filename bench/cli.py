@@ -79,6 +79,14 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     _add_judging_flags(compare)
     compare.set_defaults(func=cmd_compare)
 
+    fid = actions.add_parser(
+        "fidelity", help="a sim system's latencies against the real one's, per load point"
+    )
+    fid.add_argument("report", help="report.json with runs of both systems")
+    fid.add_argument("--sim", default="sim", help="the simulated system's name in the report")
+    fid.add_argument("--real", default="disaggregated", help="the real system's name")
+    fid.set_defaults(func=cmd_fidelity)
+
     rerender = actions.add_parser(
         "report", help="rewrite a report's markdown and plots, optionally against another SLO"
     )
@@ -178,6 +186,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from bench.compare import compare, format_comparisons
 
     print(format_comparisons(compare(_judged_report(args))))
+    return 0
+
+
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    from bench.compare import fidelity, format_fidelity
+    from bench.report import Report
+
+    rows = fidelity(Report.load(Path(args.report)), args.sim, args.real)
+    if not rows:
+        print(f"no load point that both {args.sim} and {args.real} ran")
+        return 1
+    print(format_fidelity(rows, args.sim, args.real))
     return 0
 
 

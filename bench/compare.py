@@ -104,3 +104,80 @@ def format_comparisons(comparisons: list[Comparison]) -> str:
             ratio = "n/a" if r.ratio is None else f"{r.ratio:.2f}x"
             lines.append(f"  {r.what}: {show(r.ours)} vs {show(r.baseline)} = {ratio}")
     return "\n".join(lines)
+
+
+# Issue 15's fidelity bounds: the sim's P50 within 10% of the real engine's, its P95 within 20%.
+FIDELITY_BOUNDS = {"p50": 0.10, "p95": 0.20}
+
+
+@dataclass(frozen=True)
+class FidelityRow:
+    """One load point of one workload: a latency quantile of the sim run against the real one."""
+
+    workload: str
+    load: str
+    metric: str  # "TTFT" or "TPOT"
+    quantile: str  # "p50" or "p95"
+    real: float | None
+    sim: float | None
+
+    @property
+    def error(self) -> float | None:
+        """(sim - real) / real: negative when the sim is faster."""
+        if self.real is None or self.sim is None or self.real == 0:
+            return None
+        return (self.sim - self.real) / self.real
+
+    @property
+    def within(self) -> bool:
+        return self.error is not None and abs(self.error) <= FIDELITY_BOUNDS[self.quantile]
+
+
+def fidelity(report: Report, sim: str = "sim", real: str = "disaggregated") -> list[FidelityRow]:
+    """Every load point both systems ran, per workload: TTFT and TPOT, P50 and P95."""
+    rows = []
+    for workload in report.workloads:
+        theirs = {run.arrival: run for run in report.runs_of(workload, real)}
+        for run in report.runs_of(workload, sim):
+            peer = theirs.get(run.arrival)
+            if peer is None:
+                continue
+            for metric in ("ttft", "tpot"):
+                for q in FIDELITY_BOUNDS:
+                    rows.append(
+                        FidelityRow(
+                            workload,
+                            run.arrival.label,
+                            metric.upper(),
+                            q,
+                            _get(getattr(peer.summary, metric), q),
+                            _get(getattr(run.summary, metric), q),
+                        )
+                    )
+    return rows
+
+
+def format_fidelity(rows: list[FidelityRow], sim: str = "sim", real: str = "disaggregated") -> str:
+    """A markdown table, one row per load point, and how many quantiles are within bounds."""
+
+    def ms(value: float | None) -> str:
+        return "n/a" if value is None else f"{value * 1e3:,.0f}"
+
+    def err(row: FidelityRow) -> str:
+        if row.error is None:
+            return "n/a"
+        return f"{row.error:+.0%}" + ("" if row.within else ", out")
+
+    by_point: dict[tuple[str, str], list[FidelityRow]] = {}
+    for row in rows:
+        by_point.setdefault((row.workload, row.load), []).append(row)
+    names = [f"{r.metric} {r.quantile.upper()}" for r in next(iter(by_point.values()), [])]
+    header = "| workload | load | " + " | ".join(f"{n} {real} / {sim} ms (error)" for n in names)
+    lines = [header + " |", "|---|---|" + "---|" * len(names)]
+    for (workload, load), point in by_point.items():
+        cells = [f"{ms(r.real)} / {ms(r.sim)} ({err(r)})" for r in point]
+        lines.append(f"| {workload} | {load} | " + " | ".join(cells) + " |")
+    num_within = sum(r.within for r in rows)
+    bounds = ", ".join(f"{q.upper()} within {b:.0%}" for q, b in FIDELITY_BOUNDS.items())
+    lines.append(f"\n{num_within} of {len(rows)} quantiles within bounds ({bounds}).")
+    return "\n".join(lines)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.compare import compare, format_comparisons
+from bench.compare import compare, fidelity, format_comparisons, format_fidelity
 from bench.record import RequestRecord, ServerTimings
 from bench.report import Report, Run, markdown
 from bench.runner import Arrival
@@ -79,6 +79,42 @@ def test_compare_ratios() -> None:
     assert goodput.ratio == pytest.approx(1.0)
     text = format_comparisons([chat])
     assert "TTFT P50 disaggregated / engine: 300 ms vs 200 ms = 1.50x" in text
+
+
+def test_fidelity_pairs_the_load_points_both_ran_and_bounds_each_quantile() -> None:
+    real = synthetic_run("disaggregated", Arrival("poisson", 1.0), ttft=0.5, tpot=0.1)
+    # TTFT 8% faster (P50 within 10%), TPOT 25% slower (out of both bounds).
+    sim = synthetic_run("sim", Arrival("poisson", 1.0), ttft=0.46, tpot=0.125)
+    alone = synthetic_run("sim", Arrival("poisson", 2.0), ttft=0.46, tpot=0.125)
+    report = Report({"model": "synthetic"}, [real, sim, alone])
+    rows = fidelity(report)
+    assert [(r.load, r.metric, r.quantile) for r in rows] == [
+        ("1 req/s", "TTFT", "p50"),
+        ("1 req/s", "TTFT", "p95"),
+        ("1 req/s", "TPOT", "p50"),
+        ("1 req/s", "TPOT", "p95"),
+    ]  # the 2 req/s run has no real peer
+    ttft_p50, _, tpot_p50, tpot_p95 = rows
+    assert ttft_p50.error == pytest.approx(-0.08) and ttft_p50.within
+    assert tpot_p50.error == pytest.approx(0.25) and not tpot_p50.within
+    assert not tpot_p95.within
+    text = format_fidelity(rows)
+    assert "| chat | 1 req/s | 500 / 460 (-8%) |" in text
+    assert "(+25%, out)" in text
+    assert "2 of 4 quantiles within bounds" in text
+
+
+def test_bench_fidelity_prints_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pdserve_cli import main
+
+    make_report().save(tmp_path / "report.json")
+    args = ["bench", "fidelity", str(tmp_path / "report.json")]
+    assert main([*args, "--sim", "colocated"]) == 0
+    # colocated's TTFT is 0.25/0.3 of disaggregated's at 1 in flight: 17% fast.
+    assert "| chat | 1 in flight | 300 / 250 (-17%, out)" in capsys.readouterr().out
+    assert main([*args, "--sim", "nothing"]) == 1  # no load point in common
 
 
 def test_markdown_has_a_row_per_run_and_the_hops() -> None:
