@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from engine.async_engine import ServedEngine, start_async_engine
+from engine.intervals import in_intervals
 from engine.messages import GenerationRequest, TokenEvent
 from engine.settings import EngineSettings
 from prefill_workers.replica import PendingPrefill, ReplicaSettings, ReplicaShell
@@ -36,6 +37,7 @@ class ColocatedServer(ReplicaShell):
         self._engine = ColocatedEngine(settings.engine.resolve())
         self.start_engine(self._engine, settings.status)
         self._pending = PendingPrefill()
+        self._stream_interval = settings.stream_interval
 
     @property
     def num_pending_prefill_tokens(self) -> int:
@@ -46,7 +48,8 @@ class ColocatedServer(ReplicaShell):
     ) -> AsyncIterator[TokenEvent]:
         """`avoid` is for the request router (replicas that failed this request)."""
         with self.failures_named():
-            async for event in self._pending.counted(
+            events = self._pending.counted(
                 request.num_prompt_tokens, self._engine.generate(request)
-            ):
+            )
+            async for event in in_intervals(events, self._stream_interval):
                 yield event

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from decode_workers.metrics import TransferMetrics
 from decode_workers.worker import DecodeWorker
 from engine.autoscaling_stats import DecodeWindow
+from engine.intervals import in_intervals
 from engine.messages import GenerationRequest, KVHandoff, TokenEvent
 from engine.stats import KVLoadCounts
 from kv_transfer.endpoint import served_transfer_settings
@@ -24,6 +25,7 @@ class DecodeServer(ReplicaShell):
         self._transfer_metrics = TransferMetrics(settings.app, self._worker.backend.name)
         self._window = DecodeWindow(settings.window_s, settings.percentile)
         self._pending = PendingPrefill()  # the requests it prefills for itself
+        self._stream_interval = settings.stream_interval
 
     @property
     def num_pending_prefill_tokens(self) -> int:
@@ -38,7 +40,8 @@ class DecodeServer(ReplicaShell):
         self, request: GenerationRequest, handoff: KVHandoff, avoid: tuple[str, ...] = ()
     ) -> AsyncIterator[TokenEvent]:
         """`avoid` is for the request router (replicas that failed this request)."""
-        async for event in self._timed(self._worker.decode(request, handoff)):
+        events = self._timed(self._worker.decode(request, handoff))
+        async for event in in_intervals(events, self._stream_interval):
             yield event
 
     async def generate(
@@ -47,7 +50,7 @@ class DecodeServer(ReplicaShell):
         """The whole request here, prefill included (the router's choice when no prefill
         replica could take it); the first event carries the first token."""
         events = self._pending.counted(request.num_prompt_tokens, self._worker.generate(request))
-        async for event in self._timed(events):
+        async for event in in_intervals(self._timed(events), self._stream_interval):
             yield event
 
     async def _timed(self, events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:

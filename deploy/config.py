@@ -78,6 +78,14 @@ class EngineConfig(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU share per engine")
     max_num_seqs: int = Field(64, ge=1, description="sequences one engine batches at most")
     seed: int = Field(0, ge=0, description="engine seed")
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="tokens per streamed message after a stream's first, as vLLM's "
+        "--stream-interval: more tokens per message carry more tokens per second through the "
+        "router and proxy, in steps of that many (engine/intervals.py)",
+    )
     sim: SimConfig | None = Field(
         None, description="a simulated engine (no vLLM process); needs kv_transfer.backend: sim"
     )
@@ -412,6 +420,8 @@ MANAGED_ENGINE_ARGS = {
     "seed": "seed",
     "kv_cache_memory_bytes": "kv_cache_memory_bytes",
     "gpu_memory_utilization": "gpu_memory_utilization",
+    # pdserve groups tokens in its replicas, for vLLM and sim engines alike.
+    "stream_interval": "stream_interval",
 }
 
 

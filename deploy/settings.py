@@ -60,6 +60,7 @@ def replica_settings(config: AppConfig, pool: PoolName) -> ReplicaSettings:
         status=status,
         window_s=config.autoscaling.window_s,
         percentile=config.autoscaling.percentile,
+        stream_interval=config.engine.stream_interval,
     )
 
 

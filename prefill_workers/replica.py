@@ -43,6 +43,8 @@ class ReplicaSettings:
     # The autoscaling window the replica reports on (`record_autoscaling_stats`).
     window_s: float = 60.0
     percentile: float = 95.0
+    # Tokens per streamed message after a stream's first (engine/intervals.py).
+    stream_interval: int = 1
 
     def require_transfer(self) -> TransferSettings:
         if self.transfer is None:

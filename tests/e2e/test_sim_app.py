@@ -131,6 +131,28 @@ def test_same_prompt_same_tokens_in_both_topologies_and_prefix_cache_hits(
     assert second.timings.prefill_s < whole, (second.timings.prefill_s, whole)
 
 
+def test_a_stream_interval_sends_the_same_tokens_in_fewer_messages(
+    sim_apps: dict[str, ServedApp], serve_proxy: ServeProxy
+) -> None:
+    """`engine.stream_interval: 4` (engine/intervals.py): prefill's first token and decode's
+    first go at once, then four tokens a message, the rest at the finish."""
+    data = sim_config("sim-interval", "disaggregated").model_dump()
+    data["engine"]["stream_interval"] = 4
+    prompt = "Several tokens to a message, when a stream interval asks for them. " * 4
+
+    def messages(app: ServedApp) -> list[tuple[int, ...]]:
+        with app.client() as client:
+            stream = client.generate(prompt, max_tokens=16, ignore_eos=True)
+            return [tuple(chunk.token_ids) for chunk in stream if chunk.token_ids]
+
+    one_each = messages(sim_apps["disaggregated"])
+    with deployed("interval", AppConfig.model_validate(data), serve_proxy) as app:
+        grouped = messages(app)
+    assert [len(m) for m in one_each] == [1] * 16
+    assert [len(m) for m in grouped] == [1, 1, 4, 4, 4, 2]
+    assert sum(grouped, ()) == sum(one_each, ())
+
+
 async def test_concurrent_streams_batch_on_the_decode_engine(
     sim_apps: dict[str, ServedApp],
 ) -> None:

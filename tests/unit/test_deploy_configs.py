@@ -197,6 +197,11 @@ def test_colocated_builds_one_engine_pool() -> None:
             "engine.engine_kwargs.block_size: set engine.block_size instead",
         ),
         (
+            {"engine": {"engine_kwargs": {"stream_interval": 4}}},
+            "engine.engine_kwargs.stream_interval: set engine.stream_interval instead",
+        ),
+        ({"engine": {"stream_interval": 0}}, "stream_interval"),
+        (
             {
                 "kv_transfer": {"backend": "ray"},
                 "engine": {"engine_kwargs": {"tensor_parallel_size": 2}},
