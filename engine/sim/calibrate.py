@@ -7,12 +7,18 @@ offline vLLM engine, then fit engine/sim/profile.py's linear step model to them.
 
 A prefill's wall time also holds the offline engine's per-call cost (request set-up, output
 processing), which is no step's: its intercept (`call`) is fitted and left out of the profile.
+
+`--served` times vLLM's AsyncLLM instead, its EngineCore in a child process as the replicas
+run it (`ServedTimer`): every step then carries the process hop and the output handling a
+served engine pays, which the offline engine does not (docs/sim.md, fidelity).
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +81,42 @@ def measure(engine: Any, seed: int = 0) -> Measurements:
         long = timed(prompts(batch, DECODE_PROMPT_TOKENS), 1 + DECODE_STEPS)
         decode[batch] = max(0.0, long - short) / DECODE_STEPS
     return Measurements(prefill, decode)
+
+
+class ServedTimer:
+    """`measure`'s engine (a `tokenizer` and a blocking `generate(batch, params)`) over vLLM's
+    AsyncLLM with its EngineCore in a child process, as a served replica runs it: one event
+    loop of its own, the batch's requests sent together."""
+
+    def __init__(self, settings: Any) -> None:
+        from engine.async_engine import start_async_engine
+        from engine.prompts import load_tokenizer
+
+        self._loop = asyncio.new_event_loop()
+        self.tokenizer = load_tokenizer(str(settings.model))
+
+        async def start() -> Any:
+            return start_async_engine(settings)[0]
+
+        self.engine = self._loop.run_until_complete(start())
+
+    def generate(self, batch: list[list[int]], params: Any) -> None:
+        from engine.sampling import sampling_params_for
+
+        async def one(ids: list[int]) -> None:
+            sampling = sampling_params_for(self.engine, params, served=True)
+            prompt = {"prompt_token_ids": ids}
+            async for _ in self.engine.generate(prompt, sampling, f"cal-{uuid.uuid4().hex}"):
+                pass
+
+        async def all_of() -> None:
+            await asyncio.gather(*(one(ids) for ids in batch))
+
+        self._loop.run_until_complete(all_of())
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self._loop.close()
 
 
 def profile_json(

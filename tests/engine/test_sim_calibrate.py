@@ -1,5 +1,5 @@
-"""`pdserve sim calibrate` for real: the offline engine is timed and a loadable profile written
-whose fitted step model reproduces what was measured."""
+"""`pdserve sim calibrate` for real: the offline (or served) engine is timed and a loadable
+profile written whose fitted step model reproduces what was measured."""
 
 from __future__ import annotations
 
@@ -16,11 +16,14 @@ from engine.sim.profile import profile_from_dict
 pytestmark = pytest.mark.engine
 
 
-def test_calibrate_writes_a_profile_that_fits_its_measurements(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["offline", "served"])
+def test_calibrate_writes_a_profile_that_fits_its_measurements(tmp_path: Path, how: str) -> None:
+    """Offline: vLLM's LLM in this process; served: AsyncLLM, its EngineCore a child process."""
     out = tmp_path / "calibrated.json"
     command = [sys.executable, "-m", "pdserve_cli", "sim", "calibrate", "--name", "calibrated"]
+    served = ["--served"] if how == "served" else []
     proc = subprocess.run(
-        [*command, "--model", "tiny", "--cores", "0", "--out", str(out)],
+        [*command, "--model", "tiny", "--cores", "0", "--out", str(out), *served],
         capture_output=True,
         text=True,
         timeout=600,
@@ -29,6 +32,7 @@ def test_calibrate_writes_a_profile_that_fits_its_measurements(tmp_path: Path) -
     raw = json.loads(out.read_text())
     profile = profile_from_dict(raw)
     assert profile.name == "calibrated" and profile.step.base_s > 0
+    assert f"cores 0, {how}" in raw["description"]
     # tiny: 4 layers, 2 KV heads of 32 in float32.
     assert profile.kv_bytes_per_token == 2 * 4 * 2 * 32 * 4
     measured = raw["sources"][0]
