@@ -8,7 +8,11 @@ Each step (`schedule`, then `complete`):
   2. then waiting requests in order, while the budget, `max_num_seqs` and free blocks allow; a
      new request first takes its prompt's cached prefix blocks. A request whose KV comes from a
      producer (`kv_transfer_s`) first holds blocks for its prompt while the transfer runs,
-     then computes only the last prompt position, as vLLM's KV connectors do.
+     then computes only the last prompt position, as vLLM's KV connectors do;
+  3. an engine with nothing running whose first waiting request cannot get blocks, because
+     requests behind it hold them (KV loaded, or still arriving) and no transfer is in flight
+     to wake it, would wait forever: the newest of those gives its blocks back (recomputed
+     later, or its KV pulled again) until the first fits.
 `complete` advances the computed tokens; a request whose tokens are all computed samples one.
 """
 
@@ -174,7 +178,27 @@ class SimScheduler:
             chunks.append(ScheduledChunk(request, request.num_computed, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+        if not chunks and not self.running and self._unblock(now):
+            return self.schedule(now)
         return Step(tuple(chunks), num_preempted)
+
+    def _unblock(self, now: float) -> bool:
+        """Nothing runs and nothing was scheduled: unless a transfer in flight will wake the
+        engine, the newest waiting request holding blocks gives them back (True), so the
+        first waiting request can have them."""
+        if any(r.kv_ready_at is not None and now < r.kv_ready_at for r in self.waiting):
+            return False
+        holders = [r for r in list(self.waiting)[1:] if r.blocks]
+        if not holders:
+            return False
+        victim = holders[-1]
+        self._release(victim)
+        victim.num_computed = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        if not victim.is_kv_loaded:
+            victim.kv_ready_at = None  # its transfer starts again when it gets blocks
+        return True
 
     def complete(self, step: Step) -> list[Sampled]:
         """Apply a step that has run: computed tokens advance, finished prompts sample."""

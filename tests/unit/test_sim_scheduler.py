@@ -136,3 +136,30 @@ def test_a_request_larger_than_the_whole_cache_is_refused_not_left_waiting() -> 
         scheduler.add(make_request("a", 10, max_tokens=10))
     scheduler.add(make_request("b", 10, max_tokens=6))
     assert scheduler.num_unfinished == 1
+
+
+def test_an_idle_engine_whose_first_request_waits_for_blocks_others_hold_is_not_stuck() -> None:
+    """A decode engine: its stream preempts itself when a consumer's blocks (held for the KV in
+    flight) leave it none; once that KV landed, nothing runs and the preempted request heads the
+    queue without blocks. The consumer gives its blocks back (its KV pulled again later), so both
+    finish; before, the engine waited forever (the planner saw requests that never ended)."""
+    scheduler = make_scheduler(num_blocks=8, budget=64)
+    stream = make_request("stream", 12, max_tokens=20)
+    scheduler.add(stream)
+    for _ in range(3):
+        scheduler.complete(scheduler.schedule(0.0))
+    consumer = make_request("consumer", 16, max_tokens=4, first=500, kv_s=0.5)
+    scheduler.add(consumer)
+    now, preempted_at = 0.0, None
+    for _ in range(100):
+        if not scheduler.num_unfinished:
+            break
+        step = scheduler.schedule(now)
+        if step.num_preempted and preempted_at is None:
+            preempted_at = now
+        scheduler.complete(step)
+        now = round(now + 0.1, 6)
+    assert preempted_at is not None  # the stream did meet the consumer's held blocks
+    assert stream.finish_reason == consumer.finish_reason == "length"
+    assert len(stream.output_token_ids) == 20 and len(consumer.output_token_ids) == 4
+    assert consumer.num_preemptions == 1 and scheduler.blocks.num_used_blocks == 0
