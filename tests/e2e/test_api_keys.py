@@ -108,7 +108,9 @@ def test_a_keys_limits_refuse_past_them_on_both_surfaces_and_others_are_served(
 
     single = dataclasses.replace(app, api_key=keys["one-at-a-time"])
     with single.client() as client:
-        held = client.generate("hold the slot", max_tokens=400, ignore_eos=True)
+        # 2,000 tokens (the tiny engine's context allows no more): about 10 s in the engine, so
+        # the slot is still held when the calls below arrive on a loaded machine.
+        held = client.generate("hold the slot", max_tokens=2000, ignore_eos=True)
         next(held)
         with pytest.raises(grpc.RpcError) as refused:
             client.complete("second", max_tokens=2)

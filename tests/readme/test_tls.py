@@ -3,8 +3,10 @@ loopback, and take calls without a key (every listener is on loopback, so `--no-
 allowed). A client that trusts the certificate gets answers over HTTPS and gRPC (the Python
 client and `pdserve generate`, which trusts the run's certificate); one that does not is refused
 by its own TLS check; plaintext on either port gets no answer. The cheapest app that serves: the
-tiny model, colocated, with a router admitting 2 calls: past them the proxies refuse calls
-themselves."""
+tiny model's tokenizer on a colocated sim engine (cpu-smollm2: about 60 ms a token, so streams
+held open outlast a burst on any machine; the tiny vLLM engine's 200 tokens a second ended them
+in the proxy while a loaded client still read them, and a late call was admitted), with a
+router admitting 2 calls: past them the proxies refuse calls themselves."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def tls_run(
         env,
         "up",
         *("--config", str(config), "--model", "tiny", "--topology", "colocated", "--no-auth"),
+        *("--engine", "sim", "--profile", "cpu-smollm2"),
         *("--tls-cert", str(cert), "--tls-key", str(key)),
         *("--http-port", str(http_port), "--grpc-port", str(grpc_port)),
         timeout=900,
@@ -138,7 +141,7 @@ async def test_the_proxies_refuse_calls_past_capacity_before_the_router(
     cert, state, env = tls_run
     target = f"127.0.0.1:{state['grpc_port']}"
     url = f"https://127.0.0.1:{state['http_port']}/v1/completions"
-    held_tokens = 1500
+    held_tokens = 300  # 18 s at the profile's pace
     async with AsyncPDServeClient(
         target, timeout_s=300, root_certificates=cert.read_bytes()
     ) as client:
