@@ -100,6 +100,13 @@ def _add_judging_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ttft", type=duration_arg, metavar="DURATION", help="judge anew")
     parser.add_argument("--slo-tpot", type=duration_arg, metavar="DURATION", help="judge anew")
     parser.add_argument("--attainment", type=float, help="goodput's SLO target, e.g. 0.9")
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        metavar="N",
+        help="judge only the requests whose prompt is at most N tokens (a mixed workload's "
+        "short ones)",
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -179,7 +186,10 @@ def _slo(args: argparse.Namespace) -> SLO | None:
 def _judged_report(args: argparse.Namespace) -> Report:
     from bench.report import Report
 
-    return Report.load(Path(args.report)).judged_by(_slo(args), args.attainment)
+    report = Report.load(Path(args.report)).judged_by(_slo(args), args.attainment)
+    if args.max_prompt_tokens is not None:
+        report = report.with_prompts_up_to(args.max_prompt_tokens)
+    return report
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

@@ -80,6 +80,22 @@ class Report:
         target = self.attainment_target if attainment_target is None else attainment_target
         return Report(self.meta, runs, target)
 
+    def with_prompts_up_to(self, max_prompt_tokens: int) -> Report:
+        """The same runs, each with only its requests whose prompt is at most that long: the
+        short requests of a mixed workload, judged apart from the long ones beside them."""
+        runs = [
+            Run(
+                r.system,
+                r.workload,
+                r.arrival,
+                [x for x in r.records if x.prompt_tokens <= max_prompt_tokens],
+                r.slo,
+                r.dollars_per_hour,
+            )
+            for r in self.runs
+        ]
+        return Report(self.meta, [r for r in runs if r.records], self.attainment_target)
+
     @property
     def workloads(self) -> list[str]:
         return list(dict.fromkeys(run.workload for run in self.runs))

@@ -4,6 +4,9 @@ never share the cores:
 - `disaggregated`: `pdserve up` (its own Ray head, Redis, Serve app), prefill and decode pools;
 - `colocated`: the same, with one engine pool serving both phases;
 - `engine`: vLLM's AsyncLLM in this process, with the prefill pool's engine settings and cores;
+- `adaptive`: the disaggregated app whose router prefills each prompt where it predicts the
+  sooner first token within the decode streams' TPOT (`router.adaptive_prefill`, the TPOT
+  target `autoscaling.tpot_p95_s`). Not in the default set.
 - `sim`: the disaggregated app with simulated engines (engine/sim/): the config's `engine.sim`,
   else the named profile. Not in the default set: it measures pdserve, not an engine.
 - `ray-serve-llm`: Ray Serve LLM's own P/D app (`build_pd_openai_app`: OpenAI ingress, decode
@@ -35,9 +38,9 @@ if TYPE_CHECKING:
     from engine.settings import EngineSettings
     from kv_transfer.base import KVBackend, Role
 
-SystemName = Literal["disaggregated", "colocated", "engine", "sim", "ray-serve-llm"]
+SystemName = Literal["disaggregated", "colocated", "engine", "adaptive", "sim", "ray-serve-llm"]
 SYSTEMS: tuple[SystemName, ...] = ("disaggregated", "colocated", "engine")
-ALL_SYSTEMS: tuple[SystemName, ...] = (*SYSTEMS, "sim", "ray-serve-llm")
+ALL_SYSTEMS: tuple[SystemName, ...] = (*SYSTEMS, "adaptive", "sim", "ray-serve-llm")
 DEFAULT_SIM_PROFILE = "cpu-smollm2"
 
 
@@ -50,6 +53,10 @@ def bench_config(
         if data["engine"]["sim"] is None:
             data = with_sim_engine(data, sim_profile)
         data["topology"] = "disaggregated"
+    elif system == "adaptive":
+        data["topology"] = "disaggregated"
+        data["router"]["adaptive_prefill"] = True
+        data["router"]["local_prefill_max_tokens"] = 0
     elif system != "engine":
         data["topology"] = system
     return AppConfig.model_validate(data)

@@ -117,6 +117,23 @@ def test_bench_fidelity_prints_the_table(
     assert main([*args, "--sim", "nothing"]) == 1  # no load point in common
 
 
+def test_judging_only_the_short_prompts_of_a_mixed_run() -> None:
+    run = synthetic_run("adaptive", Arrival("poisson", 1.0), ttft=0.2, tpot=0.05)
+    for record in run.records[:3]:
+        record.prompt_tokens = 1500
+        record.chunks = [(t, n) for t, n in record.chunks[:1]] + [
+            (record.chunks[0][0] + 0.4 * k, 1) for k in range(1, 8)
+        ]  # these decode at 400 ms a token
+    report = Report({"model": "synthetic"}, [run])
+    assert report.runs[0].summary.tpot is not None
+    assert report.runs[0].summary.tpot.p95 == pytest.approx(0.4)
+    short = report.with_prompts_up_to(192)
+    assert [len(r.records) for r in short.runs] == [7]
+    assert short.runs[0].summary.tpot is not None
+    assert short.runs[0].summary.tpot.p95 == pytest.approx(0.05)
+    assert report.with_prompts_up_to(10).runs == []  # a run with nothing left is dropped
+
+
 def test_markdown_has_a_row_per_run_and_the_hops() -> None:
     text = markdown(make_report())
     rows = [line for line in text.splitlines() if line.startswith("| disaggregated | 0.5 req/s")]
@@ -138,8 +155,12 @@ def test_plots_are_written(tmp_path: Path) -> None:
 
 def test_named_workloads_load() -> None:
     assert workload_names() == [
-        "chat", "gpu-chat", "gpu-long", "gpu-mixed", "long-prompt", "shared-prefix"
+        "chat", "chat-burst", "gpu-chat", "gpu-long", "gpu-mixed", "long-prompt", "shared-prefix"
     ]  # fmt: skip
+    burst = load_workload("chat-burst").lengths(46, seed=0)
+    # 20 chat, 6 long prompts together, 20 chat.
+    assert [p > 192 for p, _ in burst] == [False] * 20 + [True] * 6 + [False] * 20
+    assert all(1200 <= p <= 1600 for p, _ in burst[20:26])
     mixed = load_workload("gpu-mixed").lengths(400, seed=0)
     long_prompts = [p for p, _ in mixed if p >= 2048]
     assert 0.15 < len(long_prompts) / len(mixed) < 0.25 and max(p for p, _ in mixed) <= 3584

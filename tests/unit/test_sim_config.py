@@ -58,6 +58,16 @@ def test_the_bench_sim_system_is_the_disaggregated_app_on_sim_engines() -> None:
     assert bench_config(sim_app(), "sim").engine.sim == sim_app().engine.sim
 
 
+def test_the_bench_adaptive_system_is_the_disaggregated_app_deciding_per_request() -> None:
+    base = AppConfig.model_validate(
+        {"topology": "colocated", "router": {"local_prefill_max_tokens": 256}}
+    )
+    config = bench_config(base, "adaptive")
+    assert config.topology == "disaggregated" and not config.autoscaling.enabled
+    assert config.router.adaptive_prefill and config.router.local_prefill_max_tokens == 0
+    assert bench_config(base, "disaggregated").router.adaptive_prefill is False
+
+
 def test_pdserve_up_takes_engine_and_profile() -> None:
     from deploy.cli import build_parser
 
