@@ -30,18 +30,18 @@ def merge(a: TokenEvent, b: TokenEvent) -> TokenEvent:
     )
 
 
-async def in_intervals(
-    events: AsyncIterator[TokenEvent], interval: int
-) -> AsyncIterator[TokenEvent]:
-    """`events`, their tokens merged `interval` at a time after the stream's first."""
+def in_intervals(events: AsyncIterator[TokenEvent], interval: int) -> AsyncIterator[TokenEvent]:
+    """`events`, their tokens merged `interval` at a time after the stream's first; at 1,
+    `events` themselves (no generator added on every token's path)."""
     if interval < 1:
         raise ValueError(f"interval must be >= 1, got {interval}")
+    return events if interval == 1 else _merged(events, interval)
+
+
+async def _merged(events: AsyncIterator[TokenEvent], interval: int) -> AsyncIterator[TokenEvent]:
     held: TokenEvent | None = None
     started = False
     async for event in events:
-        if interval == 1:
-            yield event
-            continue
         if not started or event.is_first or event.is_decode_start:
             if held is not None:
                 yield held
