@@ -5,7 +5,7 @@ tables."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +73,7 @@ class Report:
 
     def judged_by(self, slo: SLO | None, attainment_target: float | None = None) -> Report:
         """The same records judged against another SLO and/or attainment target."""
-        runs = [
-            Run(r.system, r.workload, r.arrival, r.records, slo or r.slo, r.dollars_per_hour)
-            for r in self.runs
-        ]
+        runs = [replace(r, slo=slo or r.slo) for r in self.runs]
         target = self.attainment_target if attainment_target is None else attainment_target
         return Report(self.meta, runs, target)
 
@@ -84,14 +81,7 @@ class Report:
         """The same runs, each with only its requests whose prompt is at most that long: the
         short requests of a mixed workload, judged apart from the long ones beside them."""
         runs = [
-            Run(
-                r.system,
-                r.workload,
-                r.arrival,
-                [x for x in r.records if x.prompt_tokens <= max_prompt_tokens],
-                r.slo,
-                r.dollars_per_hour,
-            )
+            replace(r, records=[x for x in r.records if x.prompt_tokens <= max_prompt_tokens])
             for r in self.runs
         ]
         return Report(self.meta, [r for r in runs if r.records], self.attainment_target)
