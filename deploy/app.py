@@ -158,8 +158,12 @@ def _pool(config: AppConfig, pool: PoolName) -> Application:
     return deployment.bind(replica_settings(config, pool))
 
 
-def build_app(config: AppConfig) -> Application:
-    """The app graph for `config`; nothing starts until `serve.run` / `serve deploy`."""
+def build_app(args: AppConfig | dict[str, Any]) -> Application:
+    """The app graph for `args`; nothing starts until `serve.run` / `serve deploy`. `serve
+    deploy` (and KubeRay's serveConfigV2) hands the config's `args:` over as a dict: Serve
+    validates into a pydantic model only when the annotation is the class itself, and under
+    `from __future__ import annotations` it is a string, so the dict is validated here."""
+    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
     config = with_env_redis_url(config)
     config, chosen = resolve_auto(config)
     if chosen is not None:

@@ -25,6 +25,7 @@ SERVE_CONFIGS = sorted((DEPLOY / "configs").glob("*.yaml"))
 
 def _serve_config(raw: dict[str, Any]) -> AppConfig:
     """Validate as Serve does (`serve deploy`), then our args, then build the graph."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
     from ray.serve.schema import ServeDeploySchema
 
     schema = ServeDeploySchema.model_validate(raw)
@@ -33,10 +34,10 @@ def _serve_config(raw: dict[str, Any]) -> AppConfig:
     assert app.route_prefix == "/"  # gRPC needs one
     servicers = schema.grpc_options.grpc_servicer_functions
     assert "api.serve_grpc.add_PDServeServicer_to_server" in servicers
-    config = AppConfig.model_validate(app.args)
-    graph = build_app(config)
+    # Serve's own call of the builder, with the args as `serve deploy` sends them (a dict).
+    graph = call_user_app_builder_with_args_if_necessary(build_app, app.args)
     assert type(graph).__name__ == "Application"
-    return config
+    return AppConfig.model_validate(app.args)
 
 
 def test_every_config_is_covered() -> None:
