@@ -153,6 +153,24 @@ def test_cluster_launcher_runs_every_ray_process_with_token_auth_and_no_open_das
     assert all("0.0.0.0" not in c for c in ray_commands)
 
 
+def test_cluster_launcher_pins_pdserve_and_puts_the_model_on_every_node() -> None:
+    """What tests/e2e/test_launcher_topology.py cannot run here (setup_commands): pdserve at the
+    release tag of this version, the model in the folder the Serve config loads, and the apt
+    redis-server's own service off (it would hold 6379, the GCS port)."""
+    import tomllib
+
+    config = yaml.safe_load((DEPLOY / "cluster" / "ray-cluster.yaml").read_text())
+    setup = config["setup_commands"]
+    version = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]["version"]
+    clone = next(c for c in setup if "git clone" in c)
+    assert f"--branch v{version} " in clone, clone
+    model = load_app_config(DEPLOY / "configs" / "gpu-cluster.yaml").engine.model
+    assert any("hf download" in c and f"--local-dir {model}" in c for c in setup), setup
+    assert any("systemctl disable --now redis-server" in c for c in setup), setup
+    head = " ".join(config["head_start_ray_commands"])
+    assert "port 6380" in head and "--port=6379" in head
+
+
 def test_a_stopping_replica_drains_for_its_leases_or_its_longest_stream() -> None:
     config = AppConfig.model_validate(
         {
