@@ -1,7 +1,7 @@
 """The floor under bench.overload's refusal latencies: its own client against a bare grpc.aio
 server (another process) that refuses every call at once, with no Serve, router or engine.
 
-    .venv/bin/python -m bench.grpc_client_floor [--bursts 1,10,50,200]
+    .venv/bin/python -m bench.grpc_client_floor [--bursts 1,10,50,200] [--clients 1]
 
 Prints one JSON line per burst: the wall time, and the refusal latency percentiles (ms) as
 bench.overload measures them.
@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from api.gen.pdserve.v1 import pdserve_pb2_grpc
-from bench.overload import _stream
+from bench.overload import _stream, burst_from_clients
 from bench.stats import percentile
 
 
@@ -41,16 +41,20 @@ def _serve(port: int, ready: Any) -> None:
     asyncio.run(main())
 
 
-async def burst(target: str, size: int) -> dict[str, object]:
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pdserve_pb2_grpc.PDServeServiceStub(channel)
-        await _stream(stub, "warm up the channel", 1, ())
-        sent = time.perf_counter()
-        results = await asyncio.gather(*(_stream(stub, f"b{i}", 8, ()) for i in range(size)))
-        wall_s = time.perf_counter() - sent
+async def burst(target: str, size: int, clients: int = 1) -> dict[str, object]:
+    if clients > 1:
+        results, wall_s = await burst_from_clients(target, (), size, 8, clients)
+    else:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pdserve_pb2_grpc.PDServeServiceStub(channel)
+            await _stream(stub, "warm up the channel", 1, ())
+            sent = time.perf_counter()
+            results = await asyncio.gather(*(_stream(stub, f"b{i}", 8, ()) for i in range(size)))
+            wall_s = time.perf_counter() - sent
     refused_ms = [1000 * s for _, s, _ in results]
     return {
         "burst": size,
+        "clients": clients,
         "codes": sorted({code for code, _, _ in results}),
         "wall_ms": round(1000 * wall_s, 1),
         "refusal_ms": {
@@ -62,6 +66,7 @@ async def burst(target: str, size: int) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bursts", default="1,10,50,200")
+    parser.add_argument("--clients", type=int, default=1, help="processes sending each burst")
     args = parser.parse_args(argv)
     from deploy.local import free_port
 
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         if not ready.wait(30):
             raise RuntimeError("the refusing server did not start in 30 s")
         for size in (int(b) for b in args.bursts.split(",")):
-            print(json.dumps(asyncio.run(burst(f"127.0.0.1:{port}", size))))
+            print(json.dumps(asyncio.run(burst(f"127.0.0.1:{port}", size, args.clients))))
     finally:
         server.kill()
         server.join(10)

@@ -2,12 +2,15 @@
 the admitted streams finish, and what the burst costs the router's memory.
 
     .venv/bin/python -m bench.overload [--hold 20] [--burst 200] [--max-tokens 64]
-                                       [--target HOST:PORT --api-key KEY]
+                                       [--clients 1] [--target HOST:PORT --api-key KEY]
 
 `--hold` streams (`--max-tokens` each) are opened first and each waits for its first token
 (admitted); then `--burst` more are sent at once. The app's router should admit `--hold`
 requests (its `router.max_in_flight`), so every burst stream is over capacity: each should end
 with RESOURCE_EXHAUSTED, and the time from sending it to that status is the refusal latency.
+`--clients N` sends the burst from N client processes (each with its own channel, 1/N of the
+calls, all released at one instant): one Python client alone needs about 0.4 ms of its core per
+call, so a burst of 200 from one client waits on the client itself (bench/grpc_client_floor.py).
 The held streams must all finish with `--max-tokens` tokens. Without --target it runs against
 the local run of `pdserve up` and reads the RSS of that run's router replica and of Serve's
 proxy before and after the burst (and their peaks) from /proc.
@@ -85,6 +88,72 @@ async def _stream(
             first.set()  # a held stream refused or ended early does not block the burst
 
 
+async def _burst_calls(
+    stub: pdserve_pb2_grpc.PDServeServiceStub,
+    metadata: tuple[tuple[str, str], ...],
+    first: int,
+    count: int,
+    max_tokens: int,
+) -> list[tuple[str, float, int]]:
+    return await asyncio.gather(
+        *(_stream(stub, f"burst {i}", max_tokens, metadata) for i in range(first, first + count))
+    )
+
+
+def _burst_client(
+    target: str,
+    metadata: tuple[tuple[str, str], ...],
+    first: int,
+    count: int,
+    max_tokens: int,
+    start_at: float,
+) -> tuple[list[tuple[str, float, int]], float]:
+    """One client process's part of a burst: its own channel, connected before `start_at`
+    (unix seconds), then `count` calls at once at that instant. Its results, and the seconds
+    from `start_at` to the last one."""
+
+    async def main() -> tuple[list[tuple[str, float, int]], float]:
+        async with grpc.aio.insecure_channel(target) as channel:
+            await asyncio.wait_for(channel.channel_ready(), timeout=30)
+            stub = pdserve_pb2_grpc.PDServeServiceStub(channel)
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            results = await _burst_calls(stub, metadata, first, count, max_tokens)
+            return results, time.time() - start_at
+
+    return asyncio.run(main())
+
+
+async def burst_from_clients(
+    target: str,
+    metadata: tuple[tuple[str, str], ...],
+    burst: int,
+    max_tokens: int,
+    clients: int,
+    lead_s: float = 3.0,
+) -> tuple[list[tuple[str, float, int]], float]:
+    """`burst` calls split over `clients` processes, all released `lead_s` from now (time for
+    the processes to start and connect); the results, and the burst's wall seconds."""
+    import concurrent.futures
+    import multiprocessing
+
+    start_at = time.time() + lead_s
+    shares = [burst // clients + (1 if i < burst % clients else 0) for i in range(clients)]
+    firsts = [sum(shares[:i]) for i in range(clients)]
+    context = multiprocessing.get_context("spawn")
+    loop = asyncio.get_running_loop()
+    with concurrent.futures.ProcessPoolExecutor(clients, mp_context=context) as pool:
+        parts = await asyncio.gather(
+            *(
+                loop.run_in_executor(
+                    pool, _burst_client, target, metadata, first, share, max_tokens, start_at
+                )
+                for first, share in zip(firsts, shares, strict=True)
+                if share
+            )
+        )
+    return [result for results, _ in parts for result in results], max(s for _, s in parts)
+
+
 async def run(
     target: str,
     metadata: tuple[tuple[str, str], ...],
@@ -95,10 +164,12 @@ async def run(
     burst_max_tokens: int = 8,
     proxy_pid: int | None = None,
     router_in_flight: Callable[[], int] | None = None,
+    clients: int = 1,
 ) -> dict[str, object]:
     """The burst against `target` (`metadata` on every call: the key, the application);
     `router_pid`, `proxy_pid`: whose memory to read (None: not read); `router_in_flight`: asks
-    the router how many requests it holds, right after the burst (None: not asked)."""
+    the router how many requests it holds, right after the burst (None: not asked); `clients`:
+    processes the burst is sent from (1: this one, on the held streams' channel)."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pdserve_pb2_grpc.PDServeServiceStub(channel)
         firsts = [asyncio.Event() for _ in range(hold)]
@@ -110,11 +181,14 @@ async def run(
         ]
         await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), timeout=600)
         before, proxy_before = _memory_kib(router_pid), _memory_kib(proxy_pid)
-        sent = time.perf_counter()
-        results = await asyncio.gather(
-            *(_stream(stub, f"burst {i}", burst_max_tokens, metadata) for i in range(burst))
-        )
-        burst_s = time.perf_counter() - sent
+        if clients > 1:
+            results, burst_s = await burst_from_clients(
+                target, metadata, burst, burst_max_tokens, clients
+            )
+        else:
+            sent = time.perf_counter()
+            results = await _burst_calls(stub, metadata, 0, burst, burst_max_tokens)
+            burst_s = time.perf_counter() - sent
         # Still streaming when the last burst call ended: the burst met a full router.
         held_open = sum(1 for task in held if not task.done())
         # The router's own count: a held stream the client still reads may be done there.
@@ -126,6 +200,7 @@ async def run(
         "target": target,
         "hold": hold,
         "burst": burst,
+        "clients": clients,
         "burst_codes": dict(Counter(code for code, _, _ in results)),
         "burst_wall_s": round(burst_s, 3),
         "refusal_ms": {
@@ -159,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold", type=int, default=20)
     parser.add_argument("--burst", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=64, help="of each held stream")
+    parser.add_argument("--clients", type=int, default=1, help="processes sending the burst")
     args = parser.parse_args(argv)
     from bench.targets import grpc_endpoint
     from deploy.local import load_run
@@ -172,7 +248,16 @@ def main(argv: list[str] | None = None) -> int:
         pid = _actor_pid(run_state.run_id, f"ServeReplica:{run_state.app}:Router")
         proxy_pid = _actor_pid(run_state.run_id, "ProxyActor")
     report = asyncio.run(
-        run(target, metadata, args.hold, args.burst, args.max_tokens, pid, proxy_pid=proxy_pid)
+        run(
+            target,
+            metadata,
+            args.hold,
+            args.burst,
+            args.max_tokens,
+            pid,
+            proxy_pid=proxy_pid,
+            clients=args.clients,
+        )
     )
     print(json.dumps(report, indent=2))
     return 0

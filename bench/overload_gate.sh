@@ -4,6 +4,7 @@
 # 10 and 1 past 20 held streams. docs/benchmarks.md has what it printed.
 #   bash bench/overload_gate.sh [OUT_DIR]            real engines (the default model)
 #   UP_ARGS="--engine sim" MAX_TOKENS=256 bash bench/overload_gate.sh [OUT_DIR]
+# CLIENTS=N sends each burst from N client processes (bench.overload --clients).
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-$(mktemp -d)}
@@ -23,7 +24,7 @@ for gate in false true; do
   for burst in 200 50 10 1; do
     echo "gate=$gate burst=$burst"
     .venv/bin/python -m bench.overload --hold 20 --burst "$burst" \
-      --max-tokens "${MAX_TOKENS:-64}" | tee "$out/gate-$gate-burst-$burst.json"
+      --max-tokens "${MAX_TOKENS:-64}" --clients "${CLIENTS:-1}" | tee "$out/gate-$gate-burst-$burst.json"
   done
   .venv/bin/pdserve down
 done
