@@ -21,7 +21,7 @@ import grpc
 
 from api.gen.pdserve.v1 import pdserve_pb2_grpc
 from bench.overload import _stream, burst_from_clients
-from bench.stats import percentile
+from engine.autoscaling_stats import percentile_of
 
 
 def _serve(port: int, ready: Any) -> None:
@@ -58,7 +58,7 @@ async def burst(target: str, size: int, clients: int = 1) -> dict[str, object]:
         "codes": sorted({code for code, _, _ in results}),
         "wall_ms": round(1000 * wall_s, 1),
         "refusal_ms": {
-            name: round(percentile(refused_ms, q), 1) for name, q in (("p50", 50), ("p95", 95))
+            name: round(percentile_of(refused_ms, q), 1) for name, q in (("p50", 50), ("p95", 95))
         },
     }
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import grpc
 
 from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
-from bench.stats import percentile
+from engine.autoscaling_stats import percentile_of
 
 
 def _actor_pid(run_id: str, name: str) -> int | None:
@@ -204,7 +204,7 @@ async def run(
         "burst_codes": dict(Counter(code for code, _, _ in results)),
         "burst_wall_s": round(burst_s, 3),
         "refusal_ms": {
-            name: round(percentile(refused_ms, q), 1)
+            name: round(percentile_of(refused_ms, q), 1)
             for name, q in (("p50", 50), ("p95", 95), ("p99", 99), ("max", 100))
         }
         if refused_ms

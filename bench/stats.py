@@ -14,11 +14,11 @@ Definitions (docs/benchmarks.md repeats them):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bench.record import RequestRecord
+from engine.autoscaling_stats import percentile_of
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -37,19 +37,6 @@ class SLO:
         return ttft is not None and ttft <= self.ttft_s and (tpot is None or tpot <= self.tpot_s)
 
 
-def percentile(values: Sequence[float], p: float) -> float:
-    """The p-th percentile with linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0 <= p <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {p}")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * p / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 @dataclass(frozen=True)
 class Distribution:
     """Percentiles and mean of one latency, in seconds; None when nothing was measured."""
@@ -65,7 +52,7 @@ class Distribution:
     def of(cls, values: Sequence[float]) -> Distribution | None:
         if not values:
             return None
-        p50, p90, p95, p99 = (percentile(values, p) for p in PERCENTILES)
+        p50, p90, p95, p99 = (percentile_of(values, p) for p in PERCENTILES)
         return cls(p50, p90, p95, p99, sum(values) / len(values), len(values))
 
 

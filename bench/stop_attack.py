@@ -22,7 +22,7 @@ import time
 import grpc
 
 from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
-from bench.stats import percentile
+from engine.autoscaling_stats import percentile_of
 from router.validation import MAX_STOP_SEQUENCES, RequestLimits
 
 
@@ -88,7 +88,7 @@ async def run(
 
     def summary(values: list[float]) -> dict[str, float]:
         ms = [1000 * v for v in values]
-        return {f"p{q}": round(percentile(ms, q), 1) for q in (50, 95)}
+        return {f"p{q}": round(percentile_of(ms, q), 1) for q in (50, 95)}
 
     plain_s, attacked_s = summary(plain), summary(attacked)
     return {

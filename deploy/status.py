@@ -16,19 +16,11 @@ from control.keys import LOCAL_PREFILL_METRIC, POOLS
 from control.records import DecisionRecord, PoolSLO
 from control.sync_store import SyncControlStore
 from deploy.local import LocalRun, load_run
+from engine.autoscaling_stats import percentile_of
 from engine.messages import ReplicaLoad
 
 PERCENTILES = (50.0, 95.0, 99.0)
 METRICS = ("ttft", "tpot", "queue_wait", "prefill", "kv_transfer")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), of a non-empty sequence."""
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def prefill_split(samples: Mapping[str, list[float]]) -> tuple[int, float] | None:
@@ -53,7 +45,7 @@ def format_latencies(samples: dict[str, list[float]]) -> list[str]:
         if not values:
             lines.append(f"  {metric:<12}{0:>6}" + "".join(f"{'-':>10}" for _ in PERCENTILES))
             continue
-        cells = "".join(f"{percentile(values, q) * 1000:>8.0f}ms" for q in PERCENTILES)
+        cells = "".join(f"{percentile_of(values, q) * 1000:>8.0f}ms" for q in PERCENTILES)
         lines.append(f"  {metric:<12}{len(values):>6}{cells}")
     return lines
 
@@ -146,7 +138,7 @@ def pool_rows(
                 pool=pool,
                 metric=metric,
                 slo_p95_s=None if slo is None else getattr(slo, f"{metric}_p95_s"),
-                observed_p95_s=percentile(values, 95.0) if values else None,
+                observed_p95_s=percentile_of(values, 95.0) if values else None,
                 num_running=now,
                 target_replicas=last.target_replicas if last else now,
                 pin=pins.get(pool),
@@ -281,7 +273,7 @@ def status_json(report: StatusReport) -> dict[str, object]:
         }
     latencies = {
         metric: {"n": len(values)}
-        | {f"p{q:g}_s": percentile(values, q) if values else None for q in PERCENTILES}
+        | {f"p{q:g}_s": percentile_of(values, q) if values else None for q in PERCENTILES}
         for metric, values in ((m, report.samples.get(m, [])) for m in METRICS)
     }
     return {

@@ -68,10 +68,17 @@ class TimedSample(NamedTuple):
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0-100) with linear interpolation (numpy's default); None if empty."""
+    return percentile_of(values, q) if values else None
+
+
+def percentile_of(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) of non-empty `values`, linearly interpolated between the
+    closest ranks (numpy's default). pdserve's one percentile: status, autoscaling and the
+    benchmarks all read latencies through it."""
     if not 0 <= q <= 100:
         raise ValueError(f"percentile must be in [0, 100], got {q}")
     if not values:
-        return None
+        raise ValueError("percentile of no values")
     ordered = sorted(values)
     rank = (len(ordered) - 1) * q / 100.0
     low = math.floor(rank)

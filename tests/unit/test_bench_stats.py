@@ -10,7 +10,8 @@ import pytest
 
 from bench.record import RequestRecord
 from bench.runner import Arrival, poisson_offsets
-from bench.stats import SLO, Distribution, max_rate_meeting_slo, percentile, summarize
+from bench.stats import SLO, Distribution, max_rate_meeting_slo, summarize
+from engine.autoscaling_stats import percentile_of as percentile
 
 
 def record(index: int, sent: float, chunks: list[tuple[float, int]], **kw: object) -> RequestRecord:

@@ -22,7 +22,8 @@ from deploy.local import (
     stop_pid,
     stop_pids,
 )
-from deploy.status import format_latencies, percentile
+from deploy.status import format_latencies
+from engine.autoscaling_stats import percentile_of as percentile
 
 
 def test_marker_finds_children_and_stop_pid_stops_them() -> None:
