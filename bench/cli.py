@@ -92,7 +92,11 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     )
     rerender.add_argument("report", help="report.json written by `pdserve bench run`")
     _add_judging_flags(rerender)
-    rerender.add_argument("--out", help="folder for the new files (default: the report's)")
+    rerender.add_argument(
+        "--out",
+        help="folder for the new files (default: the report's; with --max-prompt-tokens N its "
+        "subfolder prompts-up-to-N)",
+    )
     rerender.set_defaults(func=cmd_report)
 
 
@@ -211,10 +215,19 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_out(args: argparse.Namespace) -> Path:
+    """The report's own folder; a subfolder when requests are left out, so the report that
+    holds them all is never written over by one that does not."""
+    folder = Path(args.report).parent
+    if args.max_prompt_tokens is None:
+        return folder
+    return folder / f"prompts-up-to-{args.max_prompt_tokens}"
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from bench.suite import write_report
 
-    out = Path(args.out) if args.out else Path(args.report).parent
+    out = Path(args.out) if args.out else _default_out(args)
     for path in write_report(_judged_report(args), out):
         print(f"wrote {path}")
     return 0

@@ -26,6 +26,17 @@ class ServerTimings:
     ttft_s: float
     decode_start_s: float
     e2e_s: float
+    # Where the prompt was computed: "local" (on its decode replica), "remote" (the prefill
+    # pool), "" (colocated, or not reported; also records saved before this field).
+    prefill_path: str = ""
+
+
+def prefill_path_of(prefill_replica: str, decode_replica: str) -> str:
+    """From pdserve.v1.Timings' replica ids ("<pool>-<replica>"): a disaggregated request's
+    prompt computed by its decode replica is "local", by a prefill replica "remote"."""
+    if not decode_replica:
+        return ""
+    return "local" if prefill_replica.startswith("decode") else "remote"
 
 
 @dataclass

@@ -5,6 +5,7 @@ tables."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -170,20 +171,30 @@ def _hops_table(runs: list[Run]) -> list[str]:
         rows.append(
             f"| {run.system} | {run.arrival.label} | {_ms(s.server_queue_wait, 'p50')} "
             f"| {_ms(s.server_prefill, 'p50')} | {_ms(s.server_ttft, 'p50')} "
-            f"| {_ms(s.ttft, 'p50')} | {outside * 1e3:.0f} | {_ms(s.server_kv_transfer, 'p50')} |"
+            f"| {_ms(s.ttft, 'p50')} | {outside * 1e3:.0f} | {_ms(s.server_kv_transfer, 'p50')} "
+            f"| {_prefill_split(run.records)} |"
         )
     if not rows:
         return []
     return [
         "Per hop (medians, ms): router queue, prefill call, TTFT as the router measured it, TTFT "
         "as the client saw it, the difference (proxy, network, client), and the KV transfer "
-        "(off the TTFT path: the first token is sent before decode starts).",
+        "(off the TTFT path: the first token is sent before decode starts); then where the "
+        "disaggregated requests' prompts were computed, local (on their decode replica) : "
+        "remote (the prefill pool).",
         "",
         "| system | load | router queue | prefill | server TTFT | client TTFT | outside router "
-        "| KV transfer |",
-        "|---|---|---|---|---|---|---|---|",
+        "| KV transfer | prefill local:remote |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
+
+
+def _prefill_split(records: list[RequestRecord]) -> str:
+    """ "local:remote" counts of the records whose server said where it prefilled; "-" for
+    none (colocated, or records saved before servers said)."""
+    paths = Counter(r.server.prefill_path for r in records if r.server and r.server.prefill_path)
+    return f"{paths['local']}:{paths['remote']}" if paths else "-"
 
 
 def _rate(rate: float | None) -> str:

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from bench.record import RequestRecord, ServerTimings
+from bench.record import RequestRecord, ServerTimings, prefill_path_of
 from bench.workload import BenchRequest
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ class GrpcTarget:
                     record.server = ServerTimings(
                         t.queue_wait_s, t.prefill_s, t.kv_transfer_s, t.ttft_s,
                         t.decode_start_s, t.e2e_s,
+                        prefill_path_of(t.prefill_replica, t.decode_replica),
                     )  # fmt: skip
         finally:
             await stream.aclose()

@@ -3,13 +3,14 @@ and the workloads (named files, traces, prompts of the asked length)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from bench.compare import compare, fidelity, format_comparisons, format_fidelity
-from bench.record import RequestRecord, ServerTimings
+from bench.record import RequestRecord, ServerTimings, prefill_path_of
 from bench.report import Report, Run, markdown
 from bench.runner import Arrival
 from bench.stats import SLO
@@ -144,6 +145,45 @@ def test_markdown_has_a_row_per_run_and_the_hops() -> None:
     assert "disaggregated 1 req/s, colocated 1 req/s, engine 0.5 req/s" in text
 
 
+def test_the_hops_table_counts_where_prompts_were_prefilled() -> None:
+    run = synthetic_run("adaptive", Arrival("poisson", 1.0), 0.3, 0.05, n=5)
+    for record, path in zip(run.records, ["local", "remote", "local", "local", ""], strict=True):
+        assert record.server is not None
+        record.server = dataclasses.replace(record.server, prefill_path=path)
+    (row,) = [
+        line
+        for line in markdown(Report({"model": "synthetic"}, [run])).splitlines()
+        if "| adaptive |" in line
+    ][1:]
+    assert row.split("|")[-2] == " 3:1 "
+    colocated = synthetic_run("colocated", Arrival("poisson", 1.0), 0.3, 0.05, n=2)
+    (row,) = [
+        line
+        for line in markdown(Report({"model": "synthetic"}, [colocated])).splitlines()
+        if "| colocated |" in line
+    ][1:]
+    assert row.split("|")[-2] == " - "
+
+
+@pytest.mark.parametrize(
+    ("prefill_replica", "decode_replica", "path"),
+    [("decode-ab12", "decode-ab12", "local"), ("prefill-cd34", "decode-ab12", "remote"),
+     ("engine-ef56", "", "")],
+)  # fmt: skip
+def test_prefill_path_from_the_servers_replica_ids(
+    prefill_replica: str, decode_replica: str, path: str
+) -> None:
+    assert prefill_path_of(prefill_replica, decode_replica) == path
+
+
+def test_records_saved_before_the_prefill_path_still_load() -> None:
+    saved = synthetic_run("disaggregated", Arrival("closed", 1), 0.3, 0.05, n=1).records[0]
+    data = saved.to_json()
+    assert data["server"].pop("prefill_path") == ""
+    loaded = RequestRecord.from_json(data)
+    assert loaded.server is not None and loaded.server.prefill_path == ""
+
+
 def test_plots_are_written(tmp_path: Path) -> None:
     from bench.plots import plot_report
 
@@ -237,6 +277,13 @@ def test_judging_again_against_another_slo(
     assert "SLO: TTFT <= 1500 ms, TPOT <= 100 ms" in (out / "report.md").read_text()
     assert (out / "chat-vs-rate.png").exists()
     assert main(["bench", "compare", str(tmp_path / "report.json"), "--slo-ttft", "1s"]) == 2
+
+    # Leaving requests out writes beside the full report, never over it.
+    saved = (tmp_path / "report.json").read_text()
+    assert main(["bench", "report", str(tmp_path / "report.json"), "--max-prompt-tokens",
+                 "64"]) == 0  # fmt: skip
+    assert (tmp_path / "report.json").read_text() == saved
+    assert (tmp_path / "prompts-up-to-64" / "report.md").exists()
 
 
 def test_kv_transfer_counts_only_requests_that_reached_decode() -> None:
