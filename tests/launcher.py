@@ -49,6 +49,8 @@ SERVE_CONFIG = "deploy/configs/gpu-cluster.yaml"
 HEAD, WORKERS = "h", ("w1", "w2")
 HOST_NAMES = ("a", HEAD, *WORKERS)  # a: this namespace, where the test runs (the client)
 MODEL_FOLDER = "/mnt/models/Qwen2.5-7B-Instruct"
+# The head's dashboard, as the recipe starts it (--dashboard-host=127.0.0.1, Ray's port).
+DASHBOARD = "http://127.0.0.1:8265"
 
 
 def cpu_serve_config(gpu_config: dict[str, Any], model_folder: Path) -> dict[str, Any]:
@@ -139,9 +141,10 @@ class LauncherCluster:
         return out.read_text()
 
     def ray_cli(self, *args: str, timeout_s: float = 60) -> Any:
-        """`ray <args> --format json` on the head, with the cluster's token (the dashboard
-        listens on the head's loopback only)."""
-        argv = " ".join(["$HOME/venv/bin/ray", *args, "--format", "json"])
+        """`ray <args> --format json` on the head, with the cluster's token, against its
+        dashboard (on the head's loopback only). The address is given: Ray's CLI otherwise
+        looks for clusters among the machine's processes, and finds the other test clusters'."""
+        argv = " ".join(["$HOME/venv/bin/ray", *args, "--address", DASHBOARD, "--format", "json"])
         return json.loads(self.bash(HEAD, f"{self.auth_env} {argv}", timeout_s))
 
     def actor_hosts(self, class_prefix: str) -> dict[str, str]:

@@ -20,7 +20,14 @@ from engine.local import LocalEngine
 from prefill_workers.replica import unique_id_of
 from tests.builders import make_greedy
 from tests.hosts import HostsUnavailable, make_hosts
-from tests.launcher import HEAD, HOST_NAMES, WORKERS, LauncherCluster, start_launcher_cluster
+from tests.launcher import (
+    DASHBOARD,
+    HEAD,
+    HOST_NAMES,
+    WORKERS,
+    LauncherCluster,
+    start_launcher_cluster,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -62,7 +69,9 @@ def _wait_serving(cluster: LauncherCluster) -> None:
         except Exception as exc:  # not deployed yet, replicas starting
             last = exc
             time.sleep(3)
-    status = cluster.bash(HEAD, f"{cluster.auth_env} $HOME/venv/bin/serve status", 60)
+    status = cluster.bash(
+        HEAD, f"{cluster.auth_env} $HOME/venv/bin/serve status --address {DASHBOARD}", 60
+    )
     raise AssertionError(
         f"the launcher's app did not serve within {READY_WITHIN_S} s: {last}\n{status}"
     )
