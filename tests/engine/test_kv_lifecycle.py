@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -219,15 +220,24 @@ async def test_the_lease_registry_comes_back_after_its_process_dies(
     # Prompts of two blocks and a bit, a new one each time (no prefix cache to hit).
     assert len(await run_pd(*pair, make_request(tuple(range(100, 170)), params))) == 6
     registry = get_lease_registry(prefill.transfer.lease_registry, prefill.transfer.ray_namespace)
+
+    async def registry_pid() -> int:
+        return int(await asyncio.wait_for(registry.__ray_call__.remote(lambda _: os.getpid()), 10))
+
+    killed = await registry_pid()
     ray.kill(registry, no_restart=False)
     deadline = asyncio.get_running_loop().time() + 60
-    while True:  # answered by the new process
+    # Until a new process answers: the kill is asynchronous, and the old one may still answer
+    # a call or two (a lease registered there then dies with it, as CI saw once).
+    while True:
         try:
-            assert await asyncio.wait_for(registry.num_live.remote(), 10) == 0
-            break
+            if await registry_pid() != killed:
+                break
         except (TimeoutError, ray.exceptions.RayActorError):
-            assert asyncio.get_running_loop().time() < deadline, "the registry did not return"
-            await asyncio.sleep(0.5)
+            pass
+        assert asyncio.get_running_loop().time() < deadline, "the registry did not return"
+        await asyncio.sleep(0.5)
+    assert await asyncio.wait_for(registry.num_live.remote(), 10) == 0
     before = pair[1].stats.kv_loads
     assert len(await run_pd(*pair, make_request(tuple(range(200, 270)), params))) == 6
     after = pair[1].stats.kv_loads
