@@ -168,13 +168,19 @@ class HostCluster:
     def shutdown(self) -> None:
         # All nodes at once: one after another, each could take its whole 20 s wait.
         stop_pids(list(self.pids.values()), timeout_s=20)
-        for pid in marked_pids(self.marker):  # raylets, GCS, agents, workers the nodes left
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while marked_pids(self.marker) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        kill_marked(self.marker)  # raylets, GCS, agents, workers the nodes left
         shutil.rmtree(self.temp_root, ignore_errors=True)
+
+
+def kill_marked(marker: str, timeout_s: float = 10) -> None:
+    """SIGKILL every process carrying `marker` (deploy.local.RUN_MARKER in its environment)
+    and wait up to `timeout_s` for them to be gone."""
+    for pid in marked_pids(marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while marked_pids(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def start_host_cluster(hosts: Hosts, num_cpus: int = 2, timeout_s: float = 180) -> HostCluster:
@@ -254,6 +260,7 @@ __all__ = [
     "HostCluster",
     "Hosts",
     "HostsUnavailable",
+    "kill_marked",
     "make_hosts",
     "start_host_cluster",
     "wait_nodes",

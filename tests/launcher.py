@@ -24,16 +24,13 @@ environment stand for them, and the model folder is on every host (one filesyste
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +38,7 @@ from typing import Any
 import yaml
 
 from deploy.local import RUN_MARKER, marked_pids, stop_pids
-from tests.hosts import Hosts
+from tests.hosts import Hosts, kill_marked
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "deploy" / "cluster" / "ray-cluster.yaml"
@@ -164,12 +161,7 @@ class LauncherCluster:
         pidfile = self.home / ".pdserve-redis.pid"
         redis_pids = [int(pidfile.read_text())] if pidfile.exists() else []
         stop_pids([*redis_pids, *marked_pids(self.marker)], timeout_s=20)
-        for pid in marked_pids(self.marker):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while marked_pids(self.marker) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        kill_marked(self.marker)
         shutil.rmtree(self.home, ignore_errors=True)
 
 
