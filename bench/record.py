@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from prefill_workers.replica import pool_of
+
 
 @dataclass(frozen=True)
 class ServerTimings:
@@ -36,7 +38,7 @@ def prefill_path_of(prefill_replica: str, decode_replica: str) -> str:
     prompt computed by its decode replica is "local", by a prefill replica "remote"."""
     if not decode_replica:
         return ""
-    return "local" if prefill_replica.startswith("decode") else "remote"
+    return "local" if pool_of(prefill_replica) == "decode" else "remote"
 
 
 @dataclass

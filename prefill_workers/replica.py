@@ -84,6 +84,11 @@ def unique_id_of(worker_id: str) -> str:
     return worker_id.split("-", 1)[-1]
 
 
+def pool_of(worker_id: str) -> str:
+    """The pool in a `pool_worker_id` ("decode" for "decode-x1y2z3")."""
+    return worker_id.split("-", 1)[0]
+
+
 class PendingPrefill:
     """Prompt tokens accepted and not yet prefilled by a replica whose streams prefill too (the
     colocated pool, and decode replicas prefilling for themselves): a request's tokens count

@@ -37,6 +37,7 @@ from control.keys import LOCAL_PREFILL_METRIC
 from control.store import ControlStore
 from engine.models import resolve_model
 from engine.prompts import load_tokenizer
+from prefill_workers.replica import pool_of
 from router.admission import AdmissionLimits
 from router.auth import ApiKeys, Unauthenticated, bearer_token
 from router.key_limits import ACQUIRE_TIMEOUT_S, LocalKeyLimiter, SharedKeyLimiter
@@ -228,7 +229,7 @@ class Router:
             # Where the prompt was computed (`pdserve status` shows the split).
             LOCAL_PREFILL_METRIC: None
             if self.settings.colocated
-            else float(timings.prefill_replica.startswith("decode")),
+            else float(pool_of(timings.prefill_replica) == "decode"),
         }
         store = self.store
         task = asyncio.ensure_future(self._samples.run(lambda: _record_samples(store, values)))
