@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from api.gen.pdserve.v1 import pdserve_pb2_grpc
-from bench.overload import _stream, burst_from_clients
+from bench.overload import _burst_calls, _stream, burst_from_clients
 from engine.autoscaling_stats import percentile_of
 
 
@@ -49,7 +49,7 @@ async def burst(target: str, size: int, clients: int = 1) -> dict[str, object]:
             stub = pdserve_pb2_grpc.PDServeServiceStub(channel)
             await _stream(stub, "warm up the channel", 1, ())
             sent = time.perf_counter()
-            results = await asyncio.gather(*(_stream(stub, f"b{i}", 8, ()) for i in range(size)))
+            results = await _burst_calls(stub, (), 0, size, 8)
             wall_s = time.perf_counter() - sent
     refused_ms = [1000 * s for _, s, _ in results]
     return {

@@ -24,6 +24,7 @@ environment stand for them, and the model folder is on every host (one filesyste
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -52,7 +53,7 @@ DASHBOARD = "http://127.0.0.1:8265"
 
 def cpu_serve_config(gpu_config: dict[str, Any], model_folder: Path) -> dict[str, Any]:
     """deploy/configs/gpu-cluster.yaml with its engines on this machine's CPU cores."""
-    config = json.loads(json.dumps(gpu_config))
+    config = copy.deepcopy(gpu_config)
     args = config["applications"][0]["args"]
     assert args["engine"]["model"] == MODEL_FOLDER, "the launcher's model folder moved"
     args["engine"] = {
