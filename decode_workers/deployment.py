@@ -1,45 +1,74 @@
-"""DecodeServer: the decode pool's Serve deployment, one DecodeWorker per replica."""
+"""The KV pools' Serve deployments: `PrefillServer` (the prefill pool) and `DecodeServer` (the
+decode pool), one EngineWorker (KV role "both") per replica.
+
+A replica of either pool takes every call: `prefill` (produce a handoff), `decode` (consume
+one), `generate` (the whole request, prefill included). Which calls it gets is the router's
+choice: its home pool's by default, the other pool's after a role flip (router/roles.py).
+The pool a replica belongs to is what Serve scales and what its autoscaling stats report on.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import ClassVar
 
 from decode_workers.metrics import TransferMetrics
-from decode_workers.worker import DecodeWorker
-from engine.autoscaling_stats import DecodeWindow
+from decode_workers.worker import EngineWorker
+from engine.autoscaling_stats import DecodeWindow, PrefillWindow
 from engine.intervals import in_intervals
-from engine.messages import GenerationRequest, KVHandoff, TokenEvent
+from engine.messages import GenerationRequest, KVHandoff, PrefillResult, TokenEvent
 from engine.stats import KVLoadCounts
 from kv_transfer.endpoint import served_transfer_settings
 from prefill_workers.replica import PendingPrefill, ReplicaSettings, ReplicaShell
 
 
-class DecodeServer(ReplicaShell):
-    pool = "decode"
+class EngineServer(ReplicaShell):
+    pool: ClassVar[str]
 
     def __init__(self, settings: ReplicaSettings) -> None:
         transfer = served_transfer_settings(settings.require_transfer())
-        self._worker = DecodeWorker(settings.engine.resolve(), transfer)
+        # Its handoffs' KV lives until pulled or until their lease ends: a stopping replica
+        # that prefilled for others keeps serving those pulls as long.
+        self.drain_timeout_s = transfer.lease_seconds
+        self._worker = EngineWorker(settings.engine.resolve(), transfer)
         self.start_engine(self._worker, settings.status)
         self._transfer_metrics = TransferMetrics(settings.app, self._worker.backend.name)
-        self._window = DecodeWindow(settings.window_s, settings.percentile)
+        self._prefill_window = PrefillWindow(settings.window_s, settings.percentile)
+        self._decode_window = DecodeWindow(settings.window_s, settings.percentile)
         self._pending = PendingPrefill()  # the requests it prefills for itself
         self._stream_interval = settings.stream_interval
 
     @property
     def num_pending_prefill_tokens(self) -> int:
-        return self._pending.num_tokens
+        return self._prefill_window.num_pending_tokens + self._pending.num_tokens
 
     def on_stats_tick(self) -> None:
         # Periodic (routing-stats period): export the KV transfers and loads since the last tick.
         self._transfer_metrics.observe(self._worker.stats.take_transfers())
         self._transfer_metrics.observe_loads(self._worker.stats.kv_loads)
 
+    async def prefill(
+        self, request: GenerationRequest, avoid: tuple[str, ...] = ()
+    ) -> PrefillResult:
+        """The prompt's first token and its KV's handoff. `avoid` is for the request router
+        (replicas that failed this request)."""
+        token = self._prefill_window.request_started(request.num_prompt_tokens)
+        try:
+            with self.failures_named():
+                result = await self._worker.prefill(request)
+        except BaseException:  # cancelled too: its tokens must not stay pending
+            self._prefill_window.request_aborted(token)
+            raise
+        self._prefill_window.request_finished(
+            token, queue_wait_s=result.engine_queue_seconds, compute_s=result.prefill_seconds
+        )
+        return result
+
     async def decode(
         self, request: GenerationRequest, handoff: KVHandoff, avoid: tuple[str, ...] = ()
     ) -> AsyncIterator[TokenEvent]:
-        """`avoid` is for the request router (replicas that failed this request)."""
+        """The tokens after the handoff's first. `avoid` is for the request router."""
         events = self._timed(self._worker.decode(request, handoff))
         async for event in in_intervals(events, self._stream_interval):
             yield event
@@ -47,8 +76,8 @@ class DecodeServer(ReplicaShell):
     async def generate(
         self, request: GenerationRequest, avoid: tuple[str, ...] = ()
     ) -> AsyncIterator[TokenEvent]:
-        """The whole request here, prefill included (the router's choice when no prefill
-        replica could take it); the first event carries the first token."""
+        """The whole request here, prefill included (the router's choice of local prefill, or
+        when no prefill replica could take it); the first event carries the first token."""
         events = self._pending.counted(request.num_prompt_tokens, self._worker.generate(request))
         async for event in in_intervals(self._timed(events), self._stream_interval):
             yield event
@@ -65,12 +94,7 @@ class DecodeServer(ReplicaShell):
                     num_tokens += len(event.token_ids)
                 yield event
         if num_tokens > 1:
-            self._window.record_tpot((last_at - first_at) / (num_tokens - 1))
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        """Pushed to the Serve controller for the decode pool's SLO policy."""
-        latest = self._worker.stats.latest
-        return self._window.report(latest.num_running, latest.num_waiting, latest.kv_cache_usage)
+            self._decode_window.record_tpot((last_at - first_at) / (num_tokens - 1))
 
     def kv_loads(self) -> KVLoadCounts:
         """What this replica's KV loads came to so far (tests, and what status shows)."""
@@ -78,3 +102,22 @@ class DecodeServer(ReplicaShell):
 
     async def release(self, handoff: KVHandoff) -> None:
         await self._worker.release(handoff)
+
+
+class PrefillServer(EngineServer):
+    pool = "prefill"
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Pushed to the Serve controller for the prefill pool's SLO policy."""
+        return self._prefill_window.report()
+
+
+class DecodeServer(EngineServer):
+    pool = "decode"
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Pushed to the Serve controller for the decode pool's SLO policy."""
+        latest = self._worker.stats.latest
+        return self._decode_window.report(
+            latest.num_running, latest.num_waiting, latest.kv_cache_usage
+        )

@@ -21,7 +21,9 @@ from engine.messages import (
     TokenEvent,
 )
 from engine.sampling import logprobs_of, sampling_params_for
+from kv_transfer.base import Role
 from kv_transfer.endpoint import KVEndpoint
+from prefill_workers.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ RELEASE_TIMEOUT_S = 5.0
 
 
 class DecodeWorker(KVEndpoint):
-    role = "consumer"
+    role: Role = "consumer"
     id_prefix = "decode"
 
     @property
@@ -123,3 +125,13 @@ class DecodeWorker(KVEndpoint):
             f"release-{handoff.request_id}-{uuid.uuid4().hex[:6]}",
             self.backend.rejection_params(handoff.pull),
         )
+
+
+class EngineWorker(DecodeWorker, PrefillWorker):
+    """An engine of KV role "both": it prefills for others (`prefill`, a KV producer), decodes
+    what others prefilled (`decode`, a consumer) and serves whole requests (`generate`), all on
+    one loaded model. Every served engine of the disaggregated app is one, so which pool's work
+    an engine does is a routing choice (a role flip, router/roles.py), not a restart."""
+
+    role: Role = "both"
+    id_prefix = "engine"

@@ -24,12 +24,11 @@ from ray.serve.config import RequestRouterConfig
 from autoscaling.serve_policy import autoscaling_config_for
 from control.keys import REDIS_URL_ENV
 from decode_workers.colocated import ColocatedServer
-from decode_workers.deployment import DecodeServer
+from decode_workers.deployment import DecodeServer, PrefillServer
 from deploy.config import AppConfig, PoolName
 from deploy.plan import resolve_auto
 from deploy.settings import replica_settings, router_settings, transfer_settings
 from kv_transfer.base import make_backend
-from prefill_workers.deployment import PrefillServer
 from router.ingress import Router
 
 logger = logging.getLogger(__name__)
@@ -106,15 +105,16 @@ MIN_GRACEFUL_SHUTDOWN_S = 20.0
 def graceful_shutdown_s(config: AppConfig, pool: PoolName) -> float:
     """How long Serve lets a replica chosen for removal drain (it gets no new calls meanwhile)
     before killing it; what is still running then moves to another replica (router/lifecycle.py).
-    A prefill replica's calls end at the first token, but its handoffs' KV lives until pulled
-    or until the lease ends: the lease, plus the least wait. A decode or colocated replica's
-    stream may run to the largest max_tokens at the TPOT target, and no request outlives the
-    router's `request_timeout_s`."""
-    if pool == "prefill":
-        return config.kv_transfer.lease_seconds + MIN_GRACEFUL_SHUTDOWN_S
+    A stream may run to the largest max_tokens at the TPOT target, and no request outlives the
+    router's `request_timeout_s`. A replica of the KV pools may also hold handoffs it prefilled
+    (whichever pool it is in: a role flip gives it the other pool's calls), whose KV lives
+    until pulled or until the lease ends: the lease, plus the least wait."""
     router = config.router
     longest_stream_s = router.max_tokens_limit * config.autoscaling.tpot_p95_s
-    return max(MIN_GRACEFUL_SHUTDOWN_S, min(longest_stream_s, router.request_timeout_s))
+    stream_s = max(MIN_GRACEFUL_SHUTDOWN_S, min(longest_stream_s, router.request_timeout_s))
+    if pool == "engine":
+        return stream_s
+    return max(stream_s, config.kv_transfer.lease_seconds + MIN_GRACEFUL_SHUTDOWN_S)
 
 
 def _replica_count(config: AppConfig, pool: PoolName) -> dict[str, Any]:

@@ -31,7 +31,15 @@ if TYPE_CHECKING:
     from vllm.config import KVTransferConfig
 
 FailurePolicy = Literal["recompute", "fail"]
-Role = Literal["producer", "consumer"]
+Role = Literal["producer", "consumer", "both"]
+
+# vLLM's name of each role. Every served engine is "both" (decode_workers/worker.py's
+# EngineWorker): which half of a request it does is the router's choice, per call.
+KV_ROLES: dict[Role, str] = {
+    "producer": "kv_producer",
+    "consumer": "kv_consumer",
+    "both": "kv_both",
+}
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,7 @@ class KVBackend(ABC):
         return KVTransferConfig(
             kv_connector=self.connector,
             kv_connector_module_path=self.connector_module,
-            kv_role="kv_producer" if role == "producer" else "kv_consumer",
+            kv_role=KV_ROLES[role],
             engine_id=engine_id,
             kv_load_failure_policy=self.settings.failure_policy,
             kv_connector_extra_config=self.connector_extra_config(),

@@ -4,7 +4,7 @@ Load it by module path (a name registered in the parent process does not reach v
 
     KVTransferConfig(kv_connector="RayKVConnector",
                      kv_connector_module_path="kv_transfer.ray_connector",
-                     kv_role="kv_producer" | "kv_consumer", engine_id=<unique id>,
+                     kv_role="kv_producer" | "kv_consumer" | "kv_both", engine_id=<unique id>,
                      kv_load_failure_policy="recompute" | "fail",
                      kv_connector_extra_config={"ray_address": ..., "ray_namespace": ...,
                                                 "lease_registry": ..., "lease_seconds": 60})

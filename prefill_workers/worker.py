@@ -15,12 +15,12 @@ from engine.async_engine import engine_times
 from engine.messages import GenerationRequest, KVHandoff, KVTransferError, PrefillResult
 from engine.sampling import logprobs_of, sampling_params_for
 from engine.settings import EngineSettings
-from kv_transfer.base import TransferSettings
+from kv_transfer.base import Role, TransferSettings
 from kv_transfer.endpoint import KVEndpoint
 
 
 class PrefillWorker(KVEndpoint):
-    role = "producer"
+    role: Role = "producer"
     id_prefix = "prefill"
 
     def __init__(
