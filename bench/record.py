@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from prefill_workers.replica import pool_of
+from prefill_workers.replica import prefilled_locally
 
 
 @dataclass(frozen=True)
@@ -34,11 +34,11 @@ class ServerTimings:
 
 
 def prefill_path_of(prefill_replica: str, decode_replica: str) -> str:
-    """From pdserve.v1.Timings' replica ids ("<pool>-<replica>"): a disaggregated request's
-    prompt computed by its decode replica is "local", by a prefill replica "remote"."""
+    """From pdserve.v1.Timings' replica ids: a disaggregated request's prompt computed by its
+    decode replica is "local", by another replica "remote"."""
     if not decode_replica:
         return ""
-    return "local" if pool_of(prefill_replica) == "decode" else "remote"
+    return "local" if prefilled_locally(prefill_replica, decode_replica) else "remote"
 
 
 @dataclass

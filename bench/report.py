@@ -116,7 +116,7 @@ def _ms(d: Distribution | None, attr: str) -> str:
 
 
 def markdown(report: Report) -> str:
-    lines: list[str] = []
+    lines: list[str] = _role_flip_lines(report.meta.get("facts", {}))
     for workload in report.workloads:
         runs = report.runs_of(workload)
         slo = runs[0].slo
@@ -158,6 +158,27 @@ def markdown(report: Report) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def _role_flip_lines(facts: dict[str, Any]) -> list[str]:
+    """Each system's role flip time (bench/role_flips.py), where it was measured."""
+    rows = [
+        f"| {system} | {f['n']} | {f['p50_s'] * 1e3:.0f} | {f['p95_s'] * 1e3:.0f} "
+        f"| {f['max_s'] * 1e3:.0f} | {f['num_routers']} |"
+        for system, fact in facts.items()
+        if (f := fact.get("role_flips"))
+    ]
+    if not rows:
+        return []
+    return [
+        "Role flips after the load: a decode replica flipped to the prefill pool's calls and "
+        "back, each timed from its write until every router applied it (ms).",
+        "",
+        "| system | flips | P50 | P95 | max | routers |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
 
 
 def _hops_table(runs: list[Run]) -> list[str]:

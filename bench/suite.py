@@ -95,6 +95,9 @@ def run_benchmark(
                 file=sys.stderr,
             )
             report.runs += asyncio.run(measure(target, plan, tokenizer))
+        # Filled as the system stopped (bench/systems.py: role flips).
+        if facts := getattr(target, "facts", None):
+            report.meta.setdefault("facts", {})[target.name] = facts
         paths = write_report(report, out_dir)
     return report, paths
 

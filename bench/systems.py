@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -93,9 +94,12 @@ def _pdserve(system: SystemName, config: AppConfig, timeout_s: float) -> Iterato
             run = up(config, http_port=http_port, grpc_port=grpc_port, timeout_s=timeout_s)
             try:
                 # `up` makes the run an API key (auth is on by default): the client sends it.
-                yield GrpcTarget(
+                target = GrpcTarget(
                     system, run.grpc_target, application=config.name, api_key=run.api_key or None
                 )
+                yield target
+                if config.topology == "disaggregated" and run.redis_url:
+                    target.facts["role_flips"] = _role_flips(run.redis_url, config.name)
             finally:
                 report = down()
                 if report is not None and report.leftovers:
@@ -105,6 +109,18 @@ def _pdserve(system: SystemName, config: AppConfig, timeout_s: float) -> Iterato
                 os.environ.pop("PDSERVE_RUN_DIR", None)
             else:
                 os.environ["PDSERVE_RUN_DIR"] = previous
+
+
+def _role_flips(redis_url: str, app: str) -> dict[str, Any] | None:
+    """The app's role flip time after its load (bench/role_flips.py); None if it could not be
+    measured (said why on stderr: the load's numbers stand without it)."""
+    from bench.role_flips import measure_role_flips
+
+    try:
+        return measure_role_flips(redis_url, app)
+    except Exception as exc:
+        print(f"[bench] {app}: role flips not measured: {exc}", file=sys.stderr)
+        return None
 
 
 @contextmanager

@@ -48,6 +48,8 @@ class GrpcTarget:
         self._application = application
         self._api_key = api_key
         self._client: AsyncPDServeClient | None = None
+        # What the system measured of itself beside the load (role flips), for the report.
+        self.facts: dict[str, Any] = {}
 
     async def send(self, request: BenchRequest, record: RequestRecord, clock: Clock) -> None:
         if self._client is None:

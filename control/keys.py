@@ -7,6 +7,10 @@
     pdserve:{app}:bounds:{pool}         string ReplicaBounds JSON
     pdserve:{app}:pin:{pool}            string pinned replica count
     pdserve:{app}:decisions             list   DecisionRecord JSON, newest first, capped
+    pdserve:{app}:roles                 hash   worker id -> the pool whose calls it takes, for
+                                               replicas flipped out of their own (router/roles.py)
+    pdserve:{app}:roles:version         string the roles' version, incremented by each flip
+    pdserve:{app}:roles:applied         hash   router id -> "version unix-seconds" it applied
     pdserve:{app}:apikey:{name}:in_flight        zset   request id -> lease expiry (ms, Redis clock)
     pdserve:{app}:apikey:{name}:rpm:{minute}     string requests started in that minute, expires
 
@@ -105,6 +109,18 @@ class ControlKeys:
     def key_rate(self, key_name: str) -> str:
         """The stem of an API key's per-minute counters (the minute is appended)."""
         return f"{self.namespace}apikey:{_key_name(key_name)}:rpm"
+
+    @property
+    def roles(self) -> str:
+        return f"{self.namespace}roles"
+
+    @property
+    def roles_version(self) -> str:
+        return f"{self.namespace}roles:version"
+
+    @property
+    def roles_applied(self) -> str:
+        return f"{self.namespace}roles:applied"
 
     def last_decision(self, pool: str) -> str:
         """The pool's latest decision, rewritten every tick (the log keeps only changes)."""

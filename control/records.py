@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from control.keys import validate_pool
 from engine.messages import ReplicaLoad
+from prefill_workers.replica import pool_of
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,47 @@ class DecisionRecord:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         # A private copy: the record is frozen, so the caller's dict must not change it later.
         object.__setattr__(self, "inputs", {str(k): float(v) for k, v in self.inputs.items()})
+
+
+@dataclass(frozen=True)
+class RoleTable:
+    """Which pool's calls each KV-pool replica takes: its own pool's, except those flipped
+    (`flipped`: worker id -> the pool whose calls it takes now). `version` counts the flips."""
+
+    version: int = 0
+    flipped: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.version < 0:
+            raise ValueError(f"roles version must be >= 0, got {self.version}")
+        for worker_id, role in self.flipped.items():
+            validate_pool(role)
+            validate_pool(pool_of(worker_id))
+
+    def role_of(self, worker_id: str) -> str:
+        """The pool whose calls `worker_id` takes now."""
+        return self.flipped.get(worker_id, pool_of(worker_id))
+
+
+@dataclass(frozen=True)
+class RolesApplied:
+    """A router's acknowledgement: the roles version it routes by, and when it said so."""
+
+    version: int
+    at: float
+
+
+def encode_roles_applied(applied: RolesApplied) -> str:
+    return f"{applied.version} {applied.at!r}"
+
+
+def decode_roles_applied(raw: str | bytes) -> RolesApplied:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    try:
+        version, at = text.split()
+        return RolesApplied(int(version), float(at))
+    except ValueError:
+        raise ValueError(f"roles applied must be 'version unix-seconds', got {text!r}") from None
 
 
 def _check_timestamp(name: str, value: float) -> None:

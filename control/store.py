@@ -28,7 +28,13 @@ import redis.asyncio as aioredis
 
 from control.breaker import BestEffort
 from control.keys import ControlKeys, validate_metric
-from control.records import decode_replica_load, encode_replica_load
+from control.records import (
+    RolesApplied,
+    RoleTable,
+    decode_replica_load,
+    encode_replica_load,
+    encode_roles_applied,
+)
 from engine.messages import ReplicaLoad
 
 DEFAULT_SAMPLE_CAP = 2048
@@ -188,6 +194,29 @@ class ControlStore:
         now_ms = now_s * 1000 + now_us // 1000
         key = self.keys.key_in_flight(key_name)
         return int(await self._client.zcount(key, f"({now_ms}", "+inf"))
+
+    # Roles: which pool's calls each replica takes (control/records.py RoleTable), as the
+    # routers read them; the operator's flips are SyncControlStore.flip.
+
+    async def roles_version(self) -> int:
+        """One GET: what a router polls, to read the table only when it changed."""
+        raw = await self._client.get(self.keys.roles_version)
+        return 0 if raw is None else int(_text(raw))
+
+    async def role_table(self) -> RoleTable:
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.get(self.keys.roles_version)
+            pipe.hgetall(self.keys.roles)
+            version, flipped = await pipe.execute()
+        return RoleTable(
+            version=0 if version is None else int(_text(version)),
+            flipped={_text(k): _text(v) for k, v in flipped.items()},
+        )
+
+    async def ack_roles(self, router_id: str, version: int) -> None:
+        """`router_id` routes by roles `version` now (what a flip waits for)."""
+        applied = RolesApplied(version, time.time())
+        await self._client.hset(self.keys.roles_applied, router_id, encode_roles_applied(applied))
 
     # Latency samples: one capped list per metric, newest first.
 

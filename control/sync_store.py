@@ -27,15 +27,19 @@ from control.records import (
     DecisionRecord,
     PoolSLO,
     ReplicaBounds,
+    RolesApplied,
+    RoleTable,
     decode_bounds,
     decode_decision,
     decode_pin,
+    decode_roles_applied,
     decode_slo,
     encode_bounds,
     encode_decision,
     encode_pin,
     encode_slo,
 )
+from prefill_workers.replica import pool_of
 
 CLI_TIMEOUT_S = 5.0
 DECISION_CAP = 1000
@@ -169,3 +173,47 @@ class SyncControlStore:
             decode_decision(value) for value in self._client.lrange(self.keys.decisions, 0, stop)
         ]
         return [r for r in records if pool is None or r.pool == pool][:n]
+
+    # Roles: a flip has a replica take the other pool's calls (its engine is of KV role "both");
+    # the routers poll the version and ack what they route by.
+
+    def flip(self, worker_id: str, role: str) -> int:
+        """`worker_id` takes `role`'s calls from now on (its own pool's: the flip is undone).
+        Returns the roles version the routers must reach for the flip to be in effect."""
+        pool = validate_pool(pool_of(worker_id))
+        validate_pool(role)
+        if not self._client.hexists(self.keys.replicas(pool), worker_id):
+            raise ValueError(
+                f"replica {worker_id!r} has never reported its load to this app "
+                "(`pdserve status` lists the replicas)"
+            )
+        with self._client.pipeline(transaction=True) as pipe:
+            if role == pool_of(worker_id):
+                pipe.hdel(self.keys.roles, worker_id)
+            else:
+                pipe.hset(self.keys.roles, worker_id, role)
+            pipe.incr(self.keys.roles_version)
+            return int(pipe.execute()[-1])
+
+    def replica_ids(self, pool: str) -> list[str]:
+        """The worker ids that ever reported a load in `pool` (sorted; dead ones stay)."""
+        return sorted(_str(k) for k in self._client.hkeys(self.keys.replicas(validate_pool(pool))))
+
+    def role_table(self) -> RoleTable:
+        with self._client.pipeline(transaction=True) as pipe:
+            pipe.get(self.keys.roles_version)
+            pipe.hgetall(self.keys.roles)
+            version, flipped = pipe.execute()
+        return RoleTable(
+            version=0 if version is None else int(version),
+            flipped={_str(k): _str(v) for k, v in flipped.items()},
+        )
+
+    def roles_applied(self) -> dict[str, RolesApplied]:
+        """Each router's last ack (router id -> the version it routes by, and when)."""
+        raw = self._client.hgetall(self.keys.roles_applied)
+        return {_str(k): decode_roles_applied(v) for k, v in raw.items()}
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

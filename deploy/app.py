@@ -46,7 +46,7 @@ _SERVERS: dict[PoolName, type] = {
 _ROUTERS: dict[PoolName, str] = {
     "prefill": "router.replica_router.PrefillRequestRouter",
     "decode": "router.replica_router.DecodeRequestRouter",
-    "engine": "router.replica_router.PrefillRequestRouter",
+    "engine": "router.replica_router.ColocatedRequestRouter",
 }
 # Engine processes inherit the replica's environment; these keep them quiet and single-purpose.
 _ENGINE_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
@@ -65,16 +65,19 @@ ROUTER_ENV = {
 
 def deployment_options(config: AppConfig, pool: PoolName) -> dict[str, Any]:
     spec = config.pools[pool]
-    router_kwargs: dict[str, Any] = {"block_size": config.engine.block_size or 16}
-    if pool != "decode":
-        router_kwargs |= {"prefix_ttl_s": config.router.prefix_ttl_s, "app_name": config.name}
-        # Serve's REST API returns request router kwargs, and the URL carries the password: when
-        # it came from the environment, the request routers read the same variable (the Router
-        # replica's process inherits its node's environment) instead of a kwarg.
-        if _url_from_env(config):
-            router_kwargs["redis_url_env"] = REDIS_URL_ENV
-        else:
-            router_kwargs["redis_url"] = config.control.redis_url
+    # Every pool's request router may route prefill calls (role flips), by the prefix index.
+    router_kwargs: dict[str, Any] = {
+        "block_size": config.engine.block_size or 16,
+        "prefix_ttl_s": config.router.prefix_ttl_s,
+        "app_name": config.name,
+    }
+    # Serve's REST API returns request router kwargs, and the URL carries the password: when
+    # it came from the environment, the request routers read the same variable (the Router
+    # replica's process inherits its node's environment) instead of a kwarg.
+    if _url_from_env(config):
+        router_kwargs["redis_url_env"] = REDIS_URL_ENV
+    else:
+        router_kwargs["redis_url"] = config.control.redis_url
     env = dict(_ENGINE_ENV)
     return {
         "name": DEPLOYMENT_NAMES[pool],

@@ -9,6 +9,8 @@ control_reader.py), so no redeploy is needed. The app and its Redis come from th
     pdserve scale prefill|decode N        pin N replicas (clamped into the bounds)
     pdserve scale prefill|decode auto     release the pin: scale on the SLO again
     pdserve scale prefill|decode --min A --max B
+    pdserve role                          which replicas take the other pool's calls
+    pdserve role REPLICA prefill|decode   flip: REPLICA takes that pool's calls (router/roles.py)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import os
 import re
 import sys
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -25,6 +28,7 @@ import redis
 
 from control.keys import POOLS, REDIS_URL_ENV
 from control.sync_store import SyncControlStore
+from router.roles import LIVE_ACK_S
 
 
 class Target(NamedTuple):
@@ -57,6 +61,22 @@ def add_operator_commands(commands: argparse._SubParsersAction) -> None:
     scale.add_argument("--max", dest="max_replicas", type=int, help="upper bound (with --min)")
     _add_target_flags(scale)
     scale.set_defaults(func=cmd_scale)
+
+    role = commands.add_parser(
+        "role",
+        help="flip a replica to the other pool's calls (no restart), or list the flips",
+    )
+    role.add_argument("replica", nargs="?", help="a replica id as `pdserve status` lists it")
+    role.add_argument("role", nargs="?", choices=POOLS, help="the pool whose calls it takes")
+    role.add_argument(
+        "--timeout",
+        type=duration_arg,
+        default=5.0,
+        metavar="DURATION",
+        help="how long to wait for every router to apply the flip (default 5s)",
+    )
+    _add_target_flags(role)
+    role.set_defaults(func=cmd_role)
 
 
 def cmd_slo_get(args: argparse.Namespace) -> int:
@@ -115,6 +135,61 @@ def cmd_scale(args: argparse.Namespace) -> int:
     return _run(args, run)
 
 
+class Flip(NamedTuple):
+    version: int
+    # From the write until every router that was live had applied it.
+    seconds: float
+    num_routers: int
+
+
+def flip_role(
+    store: SyncControlStore,
+    worker_id: str,
+    role: str,
+    timeout_s: float = 5.0,
+    poll_s: float = 0.005,
+) -> Flip:
+    """Flip `worker_id` to `role`'s calls and wait until every router that acked the roles
+    within LIVE_ACK_S has applied it; TimeoutError names those that did not in `timeout_s`."""
+    now = time.time()
+    live = {r for r, a in store.roles_applied().items() if now - a.at <= LIVE_ACK_S}
+    started = time.perf_counter()
+    version = store.flip(worker_id, role)
+    while True:
+        applied = store.roles_applied()
+        behind = sorted(r for r in live if r not in applied or applied[r].version < version)
+        elapsed = time.perf_counter() - started
+        if not behind:
+            return Flip(version, elapsed, len(live))
+        if elapsed > timeout_s:
+            raise TimeoutError(
+                f"routers {', '.join(behind)} did not apply roles version {version} within "
+                f"{_fmt(timeout_s)}; the flip is stored and applies when they read it"
+            )
+        time.sleep(poll_s)
+
+
+def cmd_role(args: argparse.Namespace) -> int:
+    def run(target: Target) -> str:
+        with target.store() as store:
+            if args.replica is None:
+                table = store.role_table()
+                if not table.flipped:
+                    return f"{target.app}: every replica takes its own pool's calls"
+                flips = (f"  {w} takes {r} calls" for w, r in sorted(table.flipped.items()))
+                return "\n".join([f"{target.app}: roles version {table.version}", *flips])
+            if args.role is None:
+                raise ValueError("give the role too: pdserve role REPLICA prefill|decode")
+            flip = flip_role(store, args.replica, args.role, args.timeout)
+        routers = f"{flip.num_routers} router{'s' if flip.num_routers != 1 else ''}"
+        return (
+            f"{target.app}: {args.replica} takes {args.role} calls (roles version "
+            f"{flip.version}; applied by {routers} in {flip.seconds * 1000:.0f} ms)"
+        )
+
+    return _run(args, run)
+
+
 def resolve_target(args: argparse.Namespace) -> Target:
     """Flags and PDSERVE_REDIS_URL first, then the local run's state file."""
     url = args.redis_url or os.environ.get(REDIS_URL_ENV)
@@ -138,7 +213,7 @@ def _run(args: argparse.Namespace, action: Callable[[Target], str]) -> int:
     on stderr and exit code 2."""
     try:
         print(action(resolve_target(args)))
-    except (ValueError, redis.RedisError, OSError) as error:
+    except (ValueError, TimeoutError, redis.RedisError, OSError) as error:
         print(f"pdserve: error: {error}", file=sys.stderr)
         return 2
     return 0

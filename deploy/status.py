@@ -10,10 +10,10 @@ import asyncio
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from control.keys import LOCAL_PREFILL_METRIC, POOLS
-from control.records import DecisionRecord, PoolSLO
+from control.records import DecisionRecord, PoolSLO, RoleTable
 from control.sync_store import SyncControlStore
 from deploy.local import LocalRun, load_run
 from engine.autoscaling_stats import percentile_of
@@ -63,14 +63,17 @@ async def _from_redis(redis_url: str, app: str) -> tuple[dict[str, list[float]],
         await store.close()
 
 
-def format_replicas(replicas: Sequence[ReplicaLoad]) -> list[str]:
+def format_replicas(replicas: Sequence[ReplicaLoad], roles: RoleTable | None = None) -> list[str]:
+    """One row a replica; `takes` is the pool whose calls it takes (a role flip: `pdserve role`)."""
+    roles = roles or RoleTable()
     lines = [
-        f"  {'replica':<28}{'engine':>8}{'pending tok':>12}{'running':>9}{'waiting':>9}"
+        f"  {'replica':<28}{'takes':>8}{'engine':>8}{'pending tok':>12}{'running':>9}{'waiting':>9}"
         f"{'KV used':>9}{'KV loads':>10}{'failed':>8}{'recomputed tok':>16}"
     ]
     for r in replicas:
         lines.append(
-            f"  {r.replica_id:<28}{'ok' if r.is_healthy else 'DEAD':>8}"
+            f"  {r.replica_id:<28}{roles.role_of(r.replica_id):>8}"
+            f"{'ok' if r.is_healthy else 'DEAD':>8}"
             f"{r.num_pending_prefill_tokens:>12}{r.num_running:>9}"
             f"{r.num_waiting:>9}{r.kv_usage:>8.0%}{r.num_kv_loads:>10}"
             f"{r.num_kv_load_failures:>8}{r.num_kv_recomputed_tokens:>16}"
@@ -188,6 +191,7 @@ class StatusReport:
     latest: list[DecisionRecord]
     pins: dict[str, int | None]
     slo: PoolSLO | None
+    roles: RoleTable = field(default_factory=RoleTable)
 
     @property
     def pools(self) -> list[PoolRow]:
@@ -221,8 +225,9 @@ def collect_status(
         latest = [d for d in (store.last_decision(p) for p in ("prefill", "decode")) if d]
         pins = store.pins()
         slo = store.get_slo()
+        roles = store.role_table()
     return StatusReport(
-        app_name, run, app_status, serve, samples, replicas, decisions, latest, pins, slo
+        app_name, run, app_status, serve, samples, replicas, decisions, latest, pins, slo, roles
     )
 
 
@@ -247,7 +252,7 @@ def format_status(report: StatusReport) -> list[str]:
     lines.append("autoscaling (prefill on TTFT, decode on TPOT)")
     lines += format_pools(report.pools)
     lines.append("replicas (last report)")
-    lines += format_replicas(report.replicas)
+    lines += format_replicas(report.replicas, report.roles)
     lines.append("last decisions (scale events and changes of reason)")
     lines += format_decisions(report.decisions)
     lines.append("latest evaluation (every policy tick)")
@@ -284,7 +289,10 @@ def status_json(report: StatusReport) -> dict[str, object]:
         if report.serve is None
         else {name: asdict(d) for name, d in report.serve.items()},
         "pools": [asdict(r) for r in report.pools],
-        "replicas": [asdict(r) for r in report.replicas],
+        "replicas": [
+            asdict(r) | {"takes": report.roles.role_of(r.replica_id)} for r in report.replicas
+        ],
+        "roles": {"version": report.roles.version, "flipped": dict(report.roles.flipped)},
         "warnings": status_warnings(report.replicas),
         "decisions": [asdict(d) for d in report.decisions],
         "latest": [asdict(d) for d in report.latest],

@@ -85,8 +85,16 @@ def unique_id_of(worker_id: str) -> str:
 
 
 def pool_of(worker_id: str) -> str:
-    """The pool in a `pool_worker_id` ("decode" for "decode-x1y2z3")."""
+    """The pool in a `pool_worker_id` ("decode" for "decode-x1y2z3"): the replica's own pool,
+    whatever pool's calls a role flip has it take."""
     return worker_id.split("-", 1)[0]
+
+
+def prefilled_locally(prefill_replica: str, decode_replica: str) -> bool:
+    """Whether a disaggregated request's prompt was computed by the replica that decoded it
+    (its worker ids, from the request's timings): the local path. Not read from the pool in
+    the ids: after a role flip a decode-pool replica prefills for others."""
+    return bool(decode_replica) and prefill_replica == decode_replica
 
 
 class PendingPrefill:

@@ -37,7 +37,13 @@ from control.keys import LOCAL_PREFILL_METRIC
 from control.store import ControlStore
 from engine.models import resolve_model
 from engine.prompts import load_tokenizer
-from prefill_workers.replica import pool_of
+from prefill_workers.replica import prefilled_locally
+
+# Through the module, never `from router.pool_view import POOL_VIEW`: Serve pickles a
+# deployment class's module by value (this one, for Router), which would give the Router a copy
+# of the view made where the app was built, while the request routers fill the process's own
+# (router/pool_view.py). Measured: the roles the Router applied never reached the routers.
+from router import pool_view
 from router.admission import AdmissionLimits
 from router.auth import ApiKeys, Unauthenticated, bearer_token
 from router.key_limits import ACQUIRE_TIMEOUT_S, LocalKeyLimiter, SharedKeyLimiter
@@ -53,8 +59,8 @@ from router.openai_api import (
 from router.openai_fields import sampling_defaults
 from router.pd_decision import PDDecider
 from router.policy import LocalPrefill, PredictedPrefill
-from router.pool_view import POOL_VIEW
 from router.pools import ColocatedEngines, DisaggregatedEngines
+from router.roles import RolePoller
 from router.service import (
     Caller,
     DeadlineExceeded,
@@ -140,7 +146,7 @@ def _prefill_placement(
         return None
     if settings.adaptive_prefill_tpot_s is not None:
         decider = PDDecider(settings.adaptive_prefill_tpot_s)
-        return PredictedPrefill(decider, POOL_VIEW, metrics.count_decision)
+        return PredictedPrefill(decider, pool_view.POOL_VIEW, metrics.count_decision)
     if settings.local_prefill_max_tokens:
         return LocalPrefill(settings.local_prefill_max_tokens, metrics.count_decision)
     return None
@@ -176,9 +182,16 @@ class Router:
                 settings.max_migrations,
                 on_move=self.metrics.count_migration,
                 local_prefill=self.placement,
+                pool_for=pool_view.POOL_VIEW.pool_for,
             )
         url = settings.control_url
         self.store = ControlStore.from_url(url, settings.app) if url else None
+        self._roles_task: asyncio.Task[None] | None = None
+        if self.store is not None and not settings.colocated:
+            # Role flips come through the control plane (router/roles.py); Serve runs a sync
+            # __init__ on the replica's event loop.
+            poller = RolePoller(self.store, pool_view.POOL_VIEW, _router_replica_id())
+            self._roles_task = asyncio.get_running_loop().create_task(poller.run())
         # Status percentiles are best effort: serving goes on while Redis is away.
         self._samples = BestEffort("recording latency samples in Redis", logger, SAMPLE_TIMEOUT_S)
         self.service = RouterService(
@@ -229,7 +242,7 @@ class Router:
             # Where the prompt was computed (`pdserve status` shows the split).
             LOCAL_PREFILL_METRIC: None
             if self.settings.colocated
-            else float(pool_of(timings.prefill_replica) == "decode"),
+            else float(prefilled_locally(timings.prefill_replica, timings.decode_replica)),
         }
         store = self.store
         task = asyncio.ensure_future(self._samples.run(lambda: _record_samples(store, values)))

@@ -241,12 +241,18 @@ class _Holder:
 async def _on_decode_alone(
     decode: DecodePort, request: GenerationRequest, avoid: frozenset[str], at: _Holder
 ) -> AsyncGenerator[TokenEvent]:
-    """The whole request on a decode replica, which prefills it itself (no KV transfer)."""
+    """The whole request on a decode replica, which prefills it itself (no KV transfer). The
+    replica names itself on the first token; its first event after that names it again, as
+    the decode phase's (the request's timings then say both phases ran there: "local")."""
     at.phase = "decode"
+    named_decode = False
     async with contextlib.aclosing(decode.generate(request, avoid)) as events:  # type: ignore[type-var]
         async for event in events:
             if event.replica_id:
                 at.replica = event.replica_id
+            elif not named_decode and not event.is_first and at.replica is not None:
+                event = replace(event, replica_id=at.replica)
+            named_decode = named_decode or not event.is_first
             yield event
 
 

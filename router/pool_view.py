@@ -19,10 +19,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from control.records import RoleTable
 from engine.messages import ReplicaLoad
 from prefill_workers.replica import unique_id_of
 from router.pd_decision import PoolSnapshot
 from router.prefix import PrefixLookup, block_hashes
+from router.roles import pool_for, serving
 
 
 class PoolView:
@@ -33,6 +35,23 @@ class PoolView:
         self._clock = clock
         self._loads: dict[str, tuple[ReplicaLoad, ...]] = {}
         self._prefix: tuple[PrefixLookup, int] | None = None
+        self._roles = RoleTable()
+
+    @property
+    def roles(self) -> RoleTable:
+        """Which pool's calls each replica takes (router/roles.py keeps it current)."""
+        return self._roles
+
+    def set_roles(self, table: RoleTable) -> None:
+        self._roles = table
+
+    def pool_for(self, role: str) -> str:
+        """The KV pool whose handle a call of `role` goes through now."""
+        return pool_for(role, self._roles, self._loads)
+
+    def knows(self, pool: str) -> bool:
+        """Whether any load of `pool` was seen (an empty report counts as seen)."""
+        return pool in self._loads
 
     def update(self, pool: str, loads: Iterable[ReplicaLoad | None]) -> None:
         """A routing call's loads of `pool`'s replicas (those that reported, and are healthy)."""
@@ -44,8 +63,9 @@ class PoolView:
 
     def prefill(self, prompt_token_ids: Sequence[int]) -> tuple[PoolSnapshot | None, int]:
         """The prefill replica the prompt would most likely go to, and the prompt tokens it
-        holds already: the one holding the prompt's longest prefix, else the least pending."""
-        loads = self._loads.get("prefill")
+        holds already: the one holding the prompt's longest prefix, else the least pending.
+        Replicas of either pool that take prefill calls now (role flips) count."""
+        loads = serving("prefill", self._roles, self._loads)
         if not loads:
             return None, 0
         by_id = {unique_id_of(load.replica_id): load for load in loads}
@@ -61,7 +81,7 @@ class PoolView:
 
     def decode(self) -> PoolSnapshot | None:
         """The decode replica a request would most likely go to: the most free KV blocks."""
-        loads = self._loads.get("decode")
+        loads = serving("decode", self._roles, self._loads)
         if not loads:
             return None
         best = max(loads, key=lambda load: (load.num_free_blocks, -load.num_running))

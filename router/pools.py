@@ -62,9 +62,21 @@ class _Pool:
     """A pool behind its Serve handle. Every call carries, as `avoid`, the replicas the request
     failed on and those that failed any request of this router lately (`failures`)."""
 
-    def __init__(self, handle: Any, failures: RecentFailures | None = None) -> None:
-        self._handle = handle
+    def __init__(
+        self,
+        handle: Any,
+        failures: RecentFailures | None = None,
+        handle_for: Callable[[], Any] | None = None,
+    ) -> None:
+        self._fixed_handle = handle
         self._failures = failures or RecentFailures()
+        # Per call: the handle of the pool holding the replicas that take this pool's calls
+        # now (role flips, router/roles.py); None: always `handle`.
+        self._handle_for = handle_for
+
+    @property
+    def _handle(self) -> Any:
+        return self._handle_for() if self._handle_for is not None else self._fixed_handle
 
     def _avoid(self, avoid: frozenset[str]) -> dict[str, Any]:
         return _avoiding(avoid | self._failures.recent())
@@ -94,9 +106,13 @@ class PrefillPool(_Pool):
 
 class DecodePool(_Pool):
     def __init__(
-        self, handle: Any, release_is_idempotent: bool, failures: RecentFailures | None = None
+        self,
+        handle: Any,
+        release_is_idempotent: bool,
+        failures: RecentFailures | None = None,
+        handle_for: Callable[[], Any] | None = None,
     ) -> None:
-        super().__init__(handle, failures)
+        super().__init__(handle, failures, handle_for)
         self._release_is_idempotent = release_is_idempotent
 
     @property
@@ -134,7 +150,9 @@ class _Moves:
 
 class DisaggregatedEngines:
     """Prefill pool -> first token -> decode pool (the `disaggregated` topology). A request
-    that fails on a replica moves (router/lifecycle.py); `on_move` counts each move."""
+    that fails on a replica moves (router/lifecycle.py); `on_move` counts each move. With
+    `pool_for`, each call goes through the handle of the pool it names for the call's role
+    (router/roles.py): a flipped replica is reached through its own pool's handle."""
 
     def __init__(
         self,
@@ -144,10 +162,19 @@ class DisaggregatedEngines:
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         on_move: Callable[[], None] | None = None,
         local_prefill: PrefillPlacement | None = None,
+        pool_for: Callable[[str], str] | None = None,
     ) -> None:
         self._moves = _Moves(on_move)
-        self._prefill = PrefillPool(prefill_handle, self._moves.failures)
-        self._decode = DecodePool(decode_handle, release_is_idempotent, self._moves.failures)
+        handles = {"prefill": prefill_handle, "decode": decode_handle}
+
+        def handle_for(role: str) -> Callable[[], Any] | None:
+            # `pool_for(role)`: the pool whose replicas take `role`'s calls now (role flips).
+            return None if pool_for is None else lambda: handles[pool_for(role)]
+
+        self._prefill = PrefillPool(prefill_handle, self._moves.failures, handle_for("prefill"))
+        self._decode = DecodePool(
+            decode_handle, release_is_idempotent, self._moves.failures, handle_for("decode")
+        )
         self._max_migrations = max_migrations
         self._local_prefill = local_prefill
 

@@ -9,7 +9,8 @@ Prefill: prefix affinity through the prefix index (Redis when the app has a cont
 every router replica shares it, each lookup bounded to 50 ms behind a circuit breaker; this
 router's own records otherwise), then least pending prefill tokens.
 Decode: most free KV blocks among replicas that fit the request, then fewest running.
-Both skip a replica whose engine died (its load says `is_healthy: false`) and those a moved
+Both rank only the replicas that take the call's role now (router/roles.py: role flips), and
+skip a replica whose engine died (its load says `is_healthy: false`) and those a moved
 request already failed on (the call's `avoid` keyword, router/lifecycle.py).
 """
 
@@ -19,11 +20,12 @@ import asyncio
 import logging
 import os
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from control.breaker import CircuitBreaker
+from control.keys import POOLS
 from control.store import ControlStore
 from engine.messages import GenerationRequest, ReplicaLoad
 from kv_transfer.blocks import num_blocks_for
@@ -39,6 +41,7 @@ from router.policy import (
     choose_prefill_replica,
 )
 from router.prefix import BlockHash, MatchResult, PrefixIndex, block_hashes, match_owners
+from router.roles import ROLE_OF_METHOD
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +92,26 @@ def _usable(
         and ((load := loads[r.replica_id.unique_id]) is None or load.is_healthy)
     ]
     return usable or replicas
+
+
+def _serving_role(
+    replicas: list[RunningReplica],
+    loads: dict[str, ReplicaLoad | None],
+    pending: PendingRequest | None,
+) -> list[RunningReplica]:
+    """The replicas that take this call's role now (router/roles.py: a flipped replica takes
+    the other pool's calls), by the worker id each reported; one that has not reported yet
+    counts as serving. All of them when that leaves none: every engine can take every call."""
+    role = ROLE_OF_METHOD.get(pending.metadata.call_method) if pending is not None else None
+    if role is None:
+        return replicas
+    table = pool_view.POOL_VIEW.roles
+    serving = [
+        r
+        for r in replicas
+        if (load := loads[r.replica_id.unique_id]) is None or table.role_of(load.replica_id) == role
+    ]
+    return serving or replicas
 
 
 def _ranked(replicas: Sequence[RunningReplica], chosen: str | None) -> list[list[RunningReplica]]:
@@ -171,8 +194,13 @@ class SharedPrefixIndex:
             logger.debug("recording prefix blocks in Redis failed: %s", task.exception())
 
 
-class PrefillRequestRouter(RequestRouter):
-    """Routes prefill (and colocated) calls: prefix affinity, then least pending tokens."""
+class EngineRequestRouter(RequestRouter):
+    """Routes the calls of one engine pool's handle by the role each call serves: a prefill
+    call by prefix affinity, then least pending tokens; a decode or generate call by most free
+    KV blocks among the replicas that fit it, then fewest running. After a role flip a pool's
+    handle takes the other pool's calls (router/roles.py), so each pool routes both kinds."""
+
+    pool: ClassVar[str]
 
     def initialize_state(
         self,
@@ -188,7 +216,8 @@ class PrefillRequestRouter(RequestRouter):
         self._block_size = block_size
         self._prefix_ttl_s = prefix_ttl_s
         self._local_index = PrefixIndex(ttl_seconds=prefix_ttl_s)
-        pool_view.POOL_VIEW.use_prefix_index(self._local_index, block_size)
+        if self.pool == "prefill":
+            pool_view.POOL_VIEW.use_prefix_index(self._local_index, block_size)
         if redis_url is None and redis_url_env:
             redis_url = os.environ.get(redis_url_env)
             if not redis_url:
@@ -200,6 +229,11 @@ class PrefillRequestRouter(RequestRouter):
         store = ControlStore.from_url(redis_url, app_name) if redis_url else None
         self._shared = SharedPrefixIndex(store) if store is not None else None
 
+    def _role_of(self, pending: PendingRequest | None) -> str:
+        """The role whose policy ranks this call (a call of no role: this pool's own)."""
+        method = pending.metadata.call_method if pending is not None else ""
+        return ROLE_OF_METHOD.get(method, self.pool)
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
@@ -207,10 +241,22 @@ class PrefillRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         request = _request_of(pending_request)
         loads = _loads(candidate_replicas)
-        pool_view.POOL_VIEW.update("prefill", loads.values())
+        pool_view.POOL_VIEW.update(self.pool, loads.values())
         candidate_replicas = _usable(candidate_replicas, loads, pending_request)
+        if self.pool in POOLS:
+            candidate_replicas = _serving_role(candidate_replicas, loads, pending_request)
         if request is None or not candidate_replicas:
             return [candidate_replicas]
+        if self._role_of(pending_request) == "prefill":
+            return await self._choose_prefill(request, candidate_replicas, loads)
+        return self._choose_decode(request, candidate_replicas, loads)
+
+    async def _choose_prefill(
+        self,
+        request: GenerationRequest,
+        candidate_replicas: list[RunningReplica],
+        loads: dict[str, ReplicaLoad | None],
+    ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         states = []
         for rid in by_id:
@@ -234,28 +280,18 @@ class PrefillRequestRouter(RequestRouter):
         if self._shared is not None:
             self._shared.record(hashes, replica, self._prefix_ttl_s)
 
-
-class DecodeRequestRouter(RequestRouter):
-    """Routes decode calls: most free KV blocks among replicas that fit, then fewest running."""
-
-    def initialize_state(self, block_size: int = 32, **_: Any) -> None:
-        self._block_size = block_size
-
-    async def choose_replicas(
+    def _choose_decode(
         self,
+        request: GenerationRequest,
         candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
+        loads: dict[str, ReplicaLoad | None],
     ) -> list[list[RunningReplica]]:
-        request = _request_of(pending_request)
-        loads = _loads(candidate_replicas)
-        pool_view.POOL_VIEW.update("decode", loads.values())
-        candidate_replicas = _usable(candidate_replicas, loads, pending_request)
         reported = [
             (r, load)
             for r in candidate_replicas
             if (load := loads[r.replica_id.unique_id]) is not None and load.num_total_blocks
         ]
-        if request is None or not reported:
+        if not reported:
             return [candidate_replicas]
         states = [
             DecodeReplicaState(
@@ -270,3 +306,21 @@ class DecodeRequestRouter(RequestRouter):
         needed = num_blocks_for(request.num_prompt_tokens + 1, self._block_size)
         choice = choose_decode_replica(states, needed)
         return _ranked(candidate_replicas, choice.replica_id)
+
+
+class PrefillRequestRouter(EngineRequestRouter):
+    pool = "prefill"
+
+
+class DecodeRequestRouter(EngineRequestRouter):
+    pool = "decode"
+
+
+class ColocatedRequestRouter(EngineRequestRouter):
+    """The colocated pool: every call is a whole request, routed as a prefill (prefix
+    affinity, then least pending tokens); no roles."""
+
+    pool = "engine"
+
+    def _role_of(self, pending: PendingRequest | None) -> str:
+        return "prefill"

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import pickle
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 
-from control.records import DecisionRecord, PoolSLO, ReplicaBounds
+from control.records import DecisionRecord, PoolSLO, ReplicaBounds, RoleTable
 from control.redis_server import RedisServer, start_redis_server
 from control.store import ControlStore, LoadPublisher
 from control.sync_store import SyncControlStore
@@ -478,3 +480,61 @@ def test_operator_settings_survive_a_restart_of_a_persisted_server(
             assert store.get_slo() is None
     finally:
         unpersisted.stop()
+
+
+# Role flips: the operator's flip, the routers' poll and ack (router/roles.py)
+
+
+async def test_a_flip_reaches_each_polling_router_which_acks_it(
+    control_store: ControlStore, redis_server: RedisServer
+) -> None:
+    from deploy.cli_ops import flip_role
+    from router.pool_view import PoolView
+    from router.roles import RolePoller
+
+    app = control_store.app
+    idle = dataclasses.replace(make_load("decode-d1", pool="decode"), num_pending_prefill_tokens=0)
+    await control_store.put_replica_load(idle)
+    await control_store.put_replica_load(make_load("prefill-p1"))  # 900 tokens pending
+    views = [PoolView(), PoolView()]
+    pollers = [RolePoller(control_store, view, f"router-{i}") for i, view in enumerate(views)]
+    tasks = [asyncio.create_task(p.run()) for p in pollers]
+    try:
+        with SyncControlStore.connect(redis_server.url, app) as store:
+            # Both routers acked version 0 (no flip yet): they count as live.
+            await wait_until(lambda: len(store.roles_applied()) == 2)
+            flip = await asyncio.to_thread(flip_role, store, "decode-d1", "prefill")
+            assert (flip.version, flip.num_routers) == (1, 2)
+            assert flip.seconds > 0  # its P50 is measured by bench/role_flips.py
+            for view in views:
+                assert view.roles.role_of("decode-d1") == "prefill"
+                assert view.roles.version == 1
+                # No routing call filled these views: the replicas' published loads did, so a
+                # fresh router sends prefill calls through the decode pool's handle at once.
+                assert view.pool_for("prefill") == "decode"
+            assert {a.version for a in store.roles_applied().values()} == {1}
+            # Back to its own pool: the entry goes, the version still counts up.
+            back = await asyncio.to_thread(flip_role, store, "decode-d1", "decode")
+            assert back.version == 2 and store.role_table() == RoleTable(2, {})
+            assert all(view.roles == RoleTable(2, {}) for view in views)
+            with pytest.raises(ValueError, match="never reported"):
+                store.flip("decode-nobody", "prefill")
+            with pytest.raises(ValueError, match="pool must be one of"):
+                store.flip("decode-d1", "colocated")
+            # A router that stops polling is named when the next flip times out on it.
+            tasks[1].cancel()
+            with pytest.raises(TimeoutError, match="router-1 did not apply roles version 3"):
+                await asyncio.to_thread(flip_role, store, "prefill-p1", "decode", 0.5)
+            assert views[0].roles.role_of("prefill-p1") == "decode"
+            assert views[1].roles.version == 2
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)

@@ -479,6 +479,72 @@ def _requests(app: str, outcome: str) -> float:
     return metric_sum(scrape(), "pdserve_requests_total", app=app, outcome=outcome)
 
 
+# --- role flips -------------------------------------------------------------------------------
+
+
+def test_a_role_flip_swaps_the_pools_calls_without_a_restart(
+    route_app: ServedApp, redis_server: RedisServer
+) -> None:
+    """Every engine is of KV role "both". Flipping both prefill replicas to decode and both
+    decode replicas to prefill (the first flip through `pdserve role`) sends every prefill to
+    a decode-pool replica and every decode to a prefill-pool replica, the KV crossing hosts a
+    and c the other way round, with the unflipped run's tokens; flipping back restores the
+    pools. The engines are the same processes throughout, and both routers ack each flip."""
+    from control.sync_store import SyncControlStore
+    from deploy.cli_ops import flip_role
+    from prefill_workers.replica import pool_of
+
+    prompts = [
+        f"role flip {i}: " + "a quick brown fox jumps over it. " * (4 + 5 * i) for i in range(4)
+    ]
+
+    def run_all() -> list[Any]:
+        with route_app.client() as client:
+            return [collect(client.generate(p, max_tokens=8, ignore_eos=True)) for p in prompts]
+
+    actors = {
+        **_replica_actors(route_app.name, "Prefill"),
+        **_replica_actors(route_app.name, "Decode"),
+    }
+    prefills = sorted(w for w in actors if pool_of(w) == "prefill")
+    decodes = sorted(w for w in actors if pool_of(w) == "decode")
+    assert len(prefills) == len(decodes) == 2, sorted(actors)
+    cores = {w: engine_core_pid(actor) for w, actor in actors.items()}
+    before = run_all()
+    flips = []
+    with SyncControlStore.connect(redis_server.url, route_app.name) as store:
+        try:
+            cli = subprocess.run(
+                [sys.executable, "-m", "pdserve_cli", "role", prefills[0], "decode",
+                 "--redis-url", redis_server.url, "--app", route_app.name],
+                capture_output=True, text=True, timeout=60, check=False,
+                cwd=Path(__file__).resolve().parents[2],
+            )  # fmt: skip
+            assert cli.returncode == 0, cli.stderr
+            assert f"{prefills[0]} takes decode calls" in cli.stdout
+            assert "applied by 2 routers" in cli.stdout, cli.stdout
+            flips += [flip_role(store, prefills[1], "decode")]
+            flips += [flip_role(store, w, "prefill") for w in decodes]
+            swapped = run_all()
+        finally:
+            flips += [flip_role(store, w, pool_of(w)) for w in (*prefills, *decodes)]
+        assert store.role_table().flipped == {}
+    after = run_all()
+    for one, two, three in zip(before, swapped, after, strict=True):
+        assert one.token_ids == two.token_ids == three.token_ids
+    for done in swapped:
+        assert done.timings.prefill_replica in decodes, done.timings
+        assert done.timings.decode_replica in prefills, done.timings
+        assert done.timings.kv_transfer_s > 0
+    for done in (*before, *after):
+        assert done.timings.prefill_replica in prefills, done.timings
+        assert done.timings.decode_replica in decodes, done.timings
+    assert {flip.num_routers for flip in flips} == {2}
+    seconds = sorted(flip.seconds for flip in flips)
+    print(f"role flips applied by both routers in {[round(s, 3) for s in seconds]} s")
+    assert {w: engine_core_pid(actor) for w, actor in actors.items()} == cores
+
+
 # --- the faults -------------------------------------------------------------------------------
 
 

@@ -145,6 +145,16 @@ def test_markdown_has_a_row_per_run_and_the_hops() -> None:
     assert "disaggregated 1 req/s, colocated 1 req/s, engine 0.5 req/s" in text
 
 
+def test_the_report_shows_each_systems_role_flip_time(tmp_path: Path) -> None:
+    flips = {"n": 10, "p50_s": 0.112, "p95_s": 0.2, "max_s": 0.25, "num_routers": 2}
+    meta = {"model": "synthetic", "facts": {"adaptive": {"role_flips": flips}}}
+    report = Report(meta, [synthetic_run("adaptive", Arrival("poisson", 1.0), 0.3, 0.05, n=2)])
+    assert "| adaptive | 10 | 112 | 200 | 250 | 2 |" in markdown(report).splitlines()
+    report.save(tmp_path / "report.json")
+    assert "| adaptive | 10 | 112 |" in markdown(Report.load(tmp_path / "report.json"))
+    assert "Role flips" not in markdown(Report({"facts": {"colocated": {}}}, report.runs))
+
+
 def _hops_row(run: Run) -> str:
     """The run's row in the per-hop table (its second row in the markdown)."""
     rows = markdown(Report({"model": "synthetic"}, [run])).splitlines()
@@ -165,7 +175,8 @@ def test_the_hops_table_counts_where_prompts_were_prefilled() -> None:
 @pytest.mark.parametrize(
     ("prefill_replica", "decode_replica", "path"),
     [("decode-ab12", "decode-ab12", "local"), ("prefill-cd34", "decode-ab12", "remote"),
-     ("engine-ef56", "", "")],
+     # A decode replica flipped to prefill, prefilling for another: remote.
+     ("decode-ef56", "decode-ab12", "remote"), ("engine-ef56", "", "")],
 )  # fmt: skip
 def test_prefill_path_from_the_servers_replica_ids(
     prefill_replica: str, decode_replica: str, path: str

@@ -24,10 +24,11 @@ def test_help_lists_only_working_commands() -> None:
     # `slo` and `scale`: tests/e2e/test_autoscaling_serve_policy.py and test_autoscaling_app.py.
     # `bench run` and `bench compare`: tests/e2e/test_bench_run.py. `keys`: below. `env`:
     # tests/unit/test_up_cli.py, and with Ray's own CLIs in tests/readme/test_quickstart.py.
-    # `sim calibrate`: tests/engine/test_sim_calibrate.py. `plan`: below.
+    # `sim calibrate`: tests/engine/test_sim_calibrate.py. `plan`: below. `role`:
+    # tests/e2e/test_routing.py (the role-flip test).
     assert _listed_commands() == {
         "up", "down", "status", "env", "generate", "model", "slo", "scale", "bench", "keys", "sim",
-        "plan",
+        "plan", "role",
     }  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-m", "pdserve_cli", "--help"], capture_output=True, text=True, check=True

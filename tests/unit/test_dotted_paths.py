@@ -91,6 +91,7 @@ def test_the_scan_finds_the_paths_serve_and_vllm_load() -> None:
         "deploy.app:build_app",
         "api.serve_grpc.add_PDServeServicer_to_server",
         "router.replica_router.PrefillRequestRouter",
+        "router.replica_router.ColocatedRequestRouter",
         "kv_transfer.nixl_connector",
         "kv_transfer.ray_connector",
     } <= found

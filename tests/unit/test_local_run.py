@@ -97,6 +97,7 @@ def test_format_latencies_marks_empty_metrics() -> None:
 def test_status_warns_of_failed_kv_loads_and_dead_engines() -> None:
     from dataclasses import replace
 
+    from control.records import RoleTable
     from deploy.status import format_replicas, health_warnings, kv_load_warnings
     from engine.messages import ReplicaLoad
 
@@ -110,7 +111,10 @@ def test_status_warns_of_failed_kv_loads_and_dead_engines() -> None:
         "WARNING: decode-b's engine died; the routers skip it until Serve replaces it"
     ]
     table = format_replicas([load("decode-a", 5, 0, 0), dead])
-    assert [line.split()[1] for line in table[1:]] == ["ok", "DEAD"]
+    assert [line.split()[1:3] for line in table[1:]] == [["decode", "ok"], ["decode", "DEAD"]]
+    # A flipped replica shows the pool whose calls it takes.
+    flipped = format_replicas([dead], RoleTable(version=1, flipped={"decode-b": "prefill"}))
+    assert flipped[1].split()[:2] == ["decode-b", "prefill"]
     warning = kv_load_warnings([load("decode-a", 5, 1, 99), load("decode-b", 3, 2, 40)])
     assert warning == [
         "WARNING: 3 of 8 KV loads failed; decode recomputed 139 prompt tokens (see "
