@@ -50,6 +50,10 @@ class AutoscalingConfig:
     kv_usage_low: float = 0.5
     # How many past scale events the history keeps.
     history_length: int = 16
+    # Grow a pool by a role flip before starting replicas (autoscaling/roles.py), at most one
+    # flip per this many ticks per pool.
+    flip_first: bool = True
+    flip_interval_ticks: float = 3.0
 
     def __post_init__(self) -> None:
         if not 0 < self.percentile <= 100:
@@ -63,6 +67,7 @@ class AutoscalingConfig:
             "waiting_sustain_s",
             "downscale_delay_s",
             "downscale_cooldown_s",
+            "flip_interval_ticks",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

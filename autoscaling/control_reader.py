@@ -9,17 +9,27 @@ every `refresh_s`, backs off 10 s after a failure, and meanwhile answers with th
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import redis
 
-from control.keys import ControlKeys, validate_pool
-from control.records import DecisionRecord, PoolSLO, ReplicaBounds
+from control.keys import POOLS, ControlKeys, validate_pool
+from control.records import DecisionRecord, PoolSLO, ReplicaBounds, RoleTable
 from control.sync_store import SyncControlStore
 
 _RETRY_AFTER_FAILURE_S = 10.0
+
+logger = logging.getLogger("ray.serve.pdserve")
+
+
+class RolesSnapshot(NamedTuple):
+    table: RoleTable
+    replicas: dict[str, list[str]]  # pool -> live worker ids
+    other_last: DecisionRecord | None  # the other pool's latest decision
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,35 @@ class ControlReader:
                 store.append_decision(record)
         except (redis.RedisError, OSError) as error:
             self._fail(record.at, error)
+            return False
+        return True
+
+    def roles(self, replica_age_s: float) -> RolesSnapshot | None:
+        """The role table, each pool's live replicas and the other pool's latest decision, for
+        a flip (autoscaling/roles.py); None without Redis or when it fails (then the pool just
+        scales)."""
+        if not self.is_enabled or not self._is_reachable:
+            return None
+        try:
+            store = self._connected()
+            other = "decode" if self._pool == "prefill" else "prefill"
+            return RolesSnapshot(
+                store.role_table(),
+                {pool: store.replica_ids(pool, replica_age_s) for pool in POOLS},
+                store.last_decision(other),
+            )
+        except (redis.RedisError, OSError, ValueError) as error:
+            logger.warning("pdserve %s autoscaler: reading the roles failed: %s", self._pool, error)
+            return None
+
+    def flip(self, worker_id: str, role: str) -> bool:
+        """Flip `worker_id` to `role`'s calls; False when it could not be written."""
+        try:
+            self._connected().flip(worker_id, role)
+        except (redis.RedisError, OSError, ValueError) as error:
+            logger.warning(
+                "pdserve %s autoscaler: flipping %s failed: %s", self._pool, worker_id, error
+            )
             return False
         return True
 

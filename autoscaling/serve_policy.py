@@ -28,9 +28,10 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from autoscaling.config import DEFAULT_CONFIG, DEFAULT_SLO, AutoscalingConfig
-from autoscaling.control_reader import ControlReader, ControlSettings
+from autoscaling.control_reader import ControlReader, ControlSettings, RolesSnapshot
 from autoscaling.history import ScalingHistory
 from autoscaling.policy import Decision, decide_decode, decide_prefill
+from autoscaling.roles import plan_role_change
 from autoscaling.serve_metrics import (
     decision_inputs,
     decode_report_from_metrics,
@@ -53,6 +54,7 @@ logger = logging.getLogger("ray.serve.pdserve")
 
 HISTORY_STATE_KEY = "pdserve_history"
 LOGGED_KIND_STATE_KEY = "pdserve_logged_reason_kind"
+LAST_FLIP_STATE_KEY = "pdserve_last_flip_s"
 
 ReportT = TypeVar("ReportT")
 SignalsT = TypeVar("SignalsT")
@@ -113,6 +115,8 @@ class PoolAutoscaler:
             redis_url, app, self.pool, defaults, control_refresh_s, redis_timeout_s, redis_url_env
         )
         self._last_control_error: str | None = None
+        self._refresh_s = control_refresh_s
+        self._roles_read: tuple[float, RolesSnapshot | None] | None = None
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
         try:
@@ -143,6 +147,8 @@ class PoolAutoscaler:
         decision: Decision = self.functions.decide(
             signals, control.slo, bounds, control.pin, _history(state), now_s, self.config
         )
+        if decision.is_scale_event and self.config.flip_first and control.pin is None:
+            decision = self._flip_first(decision, state, now_s)
         reason = (
             decision.reason if control.error is None else f"{decision.reason} [{control.error}]"
         )
@@ -170,6 +176,45 @@ class PoolAutoscaler:
             )
         state[HISTORY_STATE_KEY] = history_to_state(decision.history)
         return decision.target_replicas, state
+
+    def _flip_first(self, decision: Decision, state: dict[str, Any], now_s: float) -> Decision:
+        """The decision, or the role flip (or hold) that replaces it (autoscaling/roles.py)."""
+        tick_s = self.config.tick_s
+        roles = self._roles(now_s)
+        if roles is None:
+            return decision
+        change = plan_role_change(
+            self.pool,
+            decision.current_replicas,
+            decision.target_replicas,
+            roles.table,
+            roles.replicas,
+            roles.other_last,
+            now_s,
+            state.get(LAST_FLIP_STATE_KEY),
+            min_interval_s=self.config.flip_interval_ticks * tick_s,
+            max_decision_age_s=3 * tick_s,
+        )
+        if change is None:
+            return decision
+        if change.replica is not None and change.role is not None:
+            if not self.control.flip(change.replica, change.role):
+                return decision
+            state[LAST_FLIP_STATE_KEY] = now_s
+            self._roles_read = None  # changed: read again next time
+        return decision._replace(
+            target_replicas=change.target_replicas,
+            reason=f"{change.reason}; instead of {decision.current_replicas} -> "
+            f"{decision.target_replicas} ({decision.reason})",
+        )
+
+    def _roles(self, now_s: float) -> RolesSnapshot | None:
+        """The roles as last read, at most `control_refresh_s` old (a pool that holds for a
+        lent replica decides so every controller pass)."""
+        if self._roles_read is None or now_s - self._roles_read[0] >= self._refresh_s:
+            # Replicas publish their loads every routing-stats period: 3 ticks is long dead.
+            self._roles_read = (now_s, self.control.roles(replica_age_s=3 * self.config.tick_s))
+        return self._roles_read[1]
 
     def _reports(self, metrics: Iterable[Mapping[str, float]]) -> list[Any]:
         """Reports of the replicas that pushed a complete, valid metric dict."""

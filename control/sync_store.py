@@ -15,6 +15,7 @@ writes. Redis is never the KV path.
 
 from __future__ import annotations
 
+import time
 from types import TracebackType
 from typing import NamedTuple
 
@@ -32,6 +33,7 @@ from control.records import (
     decode_bounds,
     decode_decision,
     decode_pin,
+    decode_replica_load,
     decode_roles_applied,
     decode_slo,
     encode_bounds,
@@ -195,9 +197,15 @@ class SyncControlStore:
             pipe.incr(self.keys.roles_version)
             return int(pipe.execute()[-1])
 
-    def replica_ids(self, pool: str) -> list[str]:
-        """The worker ids that ever reported a load in `pool` (sorted; dead ones stay)."""
-        return sorted(_str(k) for k in self._client.hkeys(self.keys.replicas(validate_pool(pool))))
+    def replica_ids(self, pool: str, max_age_s: float | None = None) -> list[str]:
+        """The worker ids that reported a load in `pool` (sorted): within `max_age_s` of now,
+        or ever (None; a stopped replica's entry stays)."""
+        raw = self._client.hgetall(self.keys.replicas(validate_pool(pool)))
+        if max_age_s is None:
+            return sorted(_str(k) for k in raw)
+        now = time.time()
+        loads = (decode_replica_load(v) for v in raw.values())
+        return sorted(load.replica_id for load in loads if load.is_fresh(now, max_age_s))
 
     def role_table(self) -> RoleTable:
         with self._client.pipeline(transaction=True) as pipe:

@@ -280,6 +280,12 @@ class AutoscalingSection(_Strict):
     upscale_cooldown_s: float = Field(20.0, ge=0, description="least time between scale-ups")
     downscale_delay_s: float = Field(120.0, ge=0, description="calm this long before scaling down")
     downscale_cooldown_s: float = Field(30.0, ge=0, description="least time after any scale event")
+    flip_first: bool = Field(
+        True,
+        description="grow a pool by flipping a replica of the other pool first (a recall of "
+        "its own lent replica, or a borrow from a pool that would scale down), starting "
+        "replicas only when no flip can (autoscaling/roles.py)",
+    )
 
     def policy_config(self) -> AutoscalingConfig:
         return replace(
@@ -290,6 +296,7 @@ class AutoscalingSection(_Strict):
             upscale_cooldown_s=self.upscale_cooldown_s,
             downscale_delay_s=self.downscale_delay_s,
             downscale_cooldown_s=self.downscale_cooldown_s,
+            flip_first=self.flip_first,
         )
 
     @property

@@ -49,6 +49,11 @@ class PoolView:
         """The KV pool whose handle a call of `role` goes through now."""
         return pool_for(role, self._roles, self._loads)
 
+    @property
+    def loads(self) -> dict[str, tuple[ReplicaLoad, ...]]:
+        """Each pool's last seen loads."""
+        return dict(self._loads)
+
     def knows(self, pool: str) -> bool:
         """Whether any load of `pool` was seen (an empty report counts as seen)."""
         return pool in self._loads

@@ -8,8 +8,8 @@ restart, no weights reloaded:
     operator / autoscaler   SyncControlStore.flip(worker_id, role)   roles hash, version += 1
     each Router replica     RolePoller: GET version every 0.1 s; on a change HGETALL roles,
                             POOL_VIEW.set_roles, then ack the version (roles:applied)
-    routing a call          pool_for(role): the deployment whose handle takes it (the least
-                            loaded replica serving the role, home pool on a tie);
+    routing a call          pool_for(role): the deployment whose handle takes it (at random,
+                            in proportion to the replicas serving the role in each);
                             serving(): that deployment's request router ranks only the
                             replicas serving the call's role (all of them when none does)
 
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
@@ -45,15 +47,6 @@ LIVE_ACK_S = 5.0
 POLL_TIMEOUT_S = 0.5
 
 
-def _rank(role: str, load: ReplicaLoad) -> tuple[float, ...]:
-    """Lower is better: the request routers' own first criteria (router/policy.py), then the
-    replica's own pool on a tie."""
-    away = float(load.pool != role)
-    if role == "prefill":
-        return (load.num_pending_prefill_tokens, away)
-    return (-min(load.num_free_blocks, load.num_total_blocks), load.num_running, away)
-
-
 def serving(
     role: str, table: RoleTable, loads: Mapping[str, Sequence[ReplicaLoad]]
 ) -> list[ReplicaLoad]:
@@ -66,13 +59,24 @@ def serving(
     ]
 
 
-def pool_for(role: str, table: RoleTable, loads: Mapping[str, Sequence[ReplicaLoad]]) -> str:
-    """The KV pool whose handle a call of `role` goes through: the one holding the best replica
-    serving `role` by its last load; `role`'s own pool when no serving replica has reported."""
-    candidates = serving(role, table, loads)
-    if not candidates:
+def pool_for(
+    role: str,
+    table: RoleTable,
+    loads: Mapping[str, Sequence[ReplicaLoad]],
+    rng: random.Random | None = None,
+) -> str:
+    """The KV pool whose handle a call of `role` goes through: one of the pools holding
+    replicas serving `role`, at random in proportion to how many each holds (that pool's request
+    router then picks the replica by load). Not the pool of the least-loaded replica: loads
+    arrive once a routing-stats period, and every call of a burst would go to that one pool.
+    `role`'s own pool when no serving replica has reported."""
+    counts = Counter(load.pool for load in serving(role, table, loads))
+    if not counts:
         return role
-    return min(candidates, key=lambda load: _rank(role, load)).pool
+    if len(counts) == 1:
+        return next(iter(counts))
+    pools = sorted(counts)
+    return (rng or random).choices(pools, [counts[pool] for pool in pools])[0]
 
 
 class RoleSource(Protocol):

@@ -490,7 +490,7 @@ async def test_a_flip_reaches_each_polling_router_which_acks_it(
 ) -> None:
     from deploy.cli_ops import flip_role
     from router.pool_view import PoolView
-    from router.roles import RolePoller
+    from router.roles import RolePoller, serving
 
     app = control_store.app
     idle = dataclasses.replace(make_load("decode-d1", pool="decode"), num_pending_prefill_tokens=0)
@@ -510,8 +510,11 @@ async def test_a_flip_reaches_each_polling_router_which_acks_it(
                 assert view.roles.role_of("decode-d1") == "prefill"
                 assert view.roles.version == 1
                 # No routing call filled these views: the replicas' published loads did, so a
-                # fresh router sends prefill calls through the decode pool's handle at once.
-                assert view.pool_for("prefill") == "decode"
+                # fresh router sends prefill calls through the decode pool's handle too.
+                assert view.knows("prefill") and view.knows("decode")
+                assert [x.replica_id for x in serving("prefill", view.roles, view.loads)] == [
+                    "prefill-p1", "decode-d1",
+                ]  # fmt: skip
             assert {a.version for a in store.roles_applied().values()} == {1}
             # Back to its own pool: the entry goes, the version still counts up.
             back = await asyncio.to_thread(flip_role, store, "decode-d1", "decode")

@@ -385,3 +385,71 @@ def test_the_decode_pool_scales_on_tpot_live(
     assert ups and "TPOT P95" in ups[-1].reason, ups
     assert ups[-1].inputs["tpot_p95_s"] > 0.05, ups[-1].inputs
     assert all(d.target_replicas == 1 for d in prefill), prefill
+
+
+FLIP_APP = "sim-flip"
+
+
+@pytest.fixture(scope="module")
+def flip_app(serve_proxy: ServeProxy, redis_server: RedisServer) -> Iterator[ServedApp]:
+    """A sim app whose prefill pool (1, at most 2) breaches its TTFT target on any request
+    (1 ms), beside a decode pool of 2 idle replicas (at least 1) whose TPOT target is loose, so
+    it is calm, with a down delay longer than the test."""
+    data = sim_config(FLIP_APP, "disaggregated").model_dump()
+    data["prefill"] |= {"num_replicas": 1, "min_replicas": 1, "max_replicas": 2}
+    data["decode"] |= {"num_replicas": 2, "min_replicas": 1, "max_replicas": 2}
+    data["control"] = {"redis_url": redis_server.url}
+    data["autoscaling"] |= {
+        "enabled": True,
+        "ttft_p95_s": 0.001,
+        "tpot_p95_s": 10.0,
+        "tick_s": 1.0,
+        "window_s": 5.0,
+        "upscale_cooldown_s": 5.0,
+        "downscale_delay_s": 600.0,
+    }
+    with deployed("flip", AppConfig.model_validate(data), serve_proxy) as app:
+        yield app
+
+
+def test_a_pool_that_must_grow_borrows_a_calm_replica_before_starting_one(
+    flip_app: ServedApp, redis_server: RedisServer
+) -> None:
+    """Issue 16 item 3, live: the prefill pool's TTFT breaches, the decode pool is calm, so the
+    prefill policy's first scale-up is a role flip (a decode replica takes prefill calls)
+    instead of a replica start, and requests are then prefilled on that replica; the decode
+    pool holds its 2 replicas (the lent one is its spare), and no prefill replica starts while
+    the flip does."""
+    from control.sync_store import SyncControlStore
+
+    def flipped() -> dict[str, str]:
+        with SyncControlStore.connect(redis_server.url, FLIP_APP) as store:
+            return dict(store.role_table().flipped)
+
+    def running(deployment: str) -> int:
+        return replica_states(FLIP_APP, deployment).get("RUNNING", 0)
+
+    assert (running("Prefill"), running("Decode")) == (1, 2)
+    prefilled_on: set[str] = set()
+    with flip_app.client() as client:
+        deadline = time.monotonic() + 120
+        while not flipped():
+            assert time.monotonic() < deadline, "no flip within 120 s"
+            collect(client.generate("a prompt to prefill", max_tokens=2, ignore_eos=True))
+        ((borrowed, role),) = flipped().items()
+        assert borrowed.startswith("decode-") and role == "prefill"
+        assert running("Prefill") == 1  # the flip was the scale-up: nothing started
+        for i in range(12):
+            done = collect(client.generate(f"after the flip {i}", max_tokens=2, ignore_eos=True))
+            prefilled_on.add(done.timings.prefill_replica)
+    assert borrowed in prefilled_on, prefilled_on
+    with SyncControlStore.connect(redis_server.url, FLIP_APP) as store:
+        prefill = store.recent_decisions(100, pool="prefill")
+        decode = store.recent_decisions(100, pool="decode")
+    borrows = [d for d in prefill if d.reason.startswith(f"borrows {borrowed} from decode")]
+    assert borrows and borrows[-1].target_replicas == borrows[-1].current_replicas == 1, prefill
+    # The first scale decision of the prefill pool was the flip, not a start.
+    firsts = [d for d in reversed(prefill) if d.reason.startswith(("borrows", "up:"))]
+    assert firsts[0].reason.startswith("borrows"), firsts
+    assert all(d.target_replicas == 2 for d in decode), decode
+    assert running("Decode") == 2
