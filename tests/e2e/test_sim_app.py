@@ -326,24 +326,36 @@ TPOT_APP = "sim-tpot"
 def tpot_app(serve_proxy: ServeProxy, redis_server: RedisServer) -> Iterator[ServedApp]:
     """A sim app whose pools autoscale (1 to 2 replicas each) against a TPOT target below the
     profile's decode step (59 ms for one stream): any decoding breaches it; TTFT's is loose."""
-    data = sim_config(TPOT_APP, "disaggregated").model_dump()
-    for pool in ("prefill", "decode"):
-        data[pool] |= {"min_replicas": 1, "max_replicas": 2}
-    data["control"] = {"redis_url": redis_server.url}
-    data["autoscaling"] |= {
-        "enabled": True,
-        "ttft_p95_s": 60.0,
-        "tpot_p95_s": 0.05,
-        "tick_s": 1.0,
-        "window_s": 5.0,
-        "upscale_cooldown_s": 5.0,
-    }
-    with deployed("tpot", AppConfig.model_validate(data), serve_proxy) as app:
+    config = autoscaled_sim_config(TPOT_APP, redis_server, ttft_p95_s=60.0, tpot_p95_s=0.05)
+    with deployed("tpot", config, serve_proxy) as app:
         yield app
 
 
-def _running(deployment: str) -> int:
-    return replica_states(TPOT_APP, deployment).get("RUNNING", 0)
+def autoscaled_sim_config(
+    name: str,
+    redis_server: RedisServer,
+    replicas: tuple[int, int] = (1, 1),
+    **autoscaling: float,
+) -> AppConfig:
+    """A disaggregated sim app whose pools autoscale between 1 and 2 replicas (starting at
+    `replicas`, prefill and decode) on a 1 s tick and a 5 s window, with the SLO and other
+    knobs given."""
+    data = sim_config(name, "disaggregated").model_dump()
+    for pool, num_replicas in zip(("prefill", "decode"), replicas, strict=True):
+        data[pool] |= {"num_replicas": num_replicas, "min_replicas": 1, "max_replicas": 2}
+    data["control"] = {"redis_url": redis_server.url}
+    data["autoscaling"] |= {
+        "enabled": True,
+        "tick_s": 1.0,
+        "window_s": 5.0,
+        "upscale_cooldown_s": 5.0,
+        **autoscaling,
+    }
+    return AppConfig.model_validate(data)
+
+
+def _running(deployment: str, app: str = TPOT_APP) -> int:
+    return replica_states(app, deployment).get("RUNNING", 0)
 
 
 def test_the_decode_pool_scales_on_tpot_live(
@@ -395,20 +407,15 @@ def flip_app(serve_proxy: ServeProxy, redis_server: RedisServer) -> Iterator[Ser
     """A sim app whose prefill pool (1, at most 2) breaches its TTFT target on any request
     (1 ms), beside a decode pool of 2 idle replicas (at least 1) whose TPOT target is loose, so
     it is calm, with a down delay longer than the test."""
-    data = sim_config(FLIP_APP, "disaggregated").model_dump()
-    data["prefill"] |= {"num_replicas": 1, "min_replicas": 1, "max_replicas": 2}
-    data["decode"] |= {"num_replicas": 2, "min_replicas": 1, "max_replicas": 2}
-    data["control"] = {"redis_url": redis_server.url}
-    data["autoscaling"] |= {
-        "enabled": True,
-        "ttft_p95_s": 0.001,
-        "tpot_p95_s": 10.0,
-        "tick_s": 1.0,
-        "window_s": 5.0,
-        "upscale_cooldown_s": 5.0,
-        "downscale_delay_s": 600.0,
-    }
-    with deployed("flip", AppConfig.model_validate(data), serve_proxy) as app:
+    config = autoscaled_sim_config(
+        FLIP_APP,
+        redis_server,
+        replicas=(1, 2),
+        ttft_p95_s=0.001,
+        tpot_p95_s=10.0,
+        downscale_delay_s=600.0,
+    )
+    with deployed("flip", config, serve_proxy) as app:
         yield app
 
 
@@ -427,7 +434,7 @@ def test_a_pool_that_must_grow_borrows_a_calm_replica_before_starting_one(
             return dict(store.role_table().flipped)
 
     def running(deployment: str) -> int:
-        return replica_states(FLIP_APP, deployment).get("RUNNING", 0)
+        return _running(deployment, FLIP_APP)
 
     assert (running("Prefill"), running("Decode")) == (1, 2)
     prefilled_on: set[str] = set()
