@@ -436,7 +436,14 @@ def test_a_pool_that_must_grow_borrows_a_calm_replica_before_starting_one(
     def running(deployment: str) -> int:
         return _running(deployment, FLIP_APP)
 
+    def decode_is_calm() -> bool:
+        with SyncControlStore.connect(redis_server.url, FLIP_APP) as store:
+            last = store.last_decision("decode")
+        return last is not None and last.reason.startswith("hold: calm")
+
     assert (running("Prefill"), running("Decode")) == (1, 2)
+    # A pool lends only once its policy says it is calm (its replicas all up and reporting).
+    wait_for("the decode pool to be calm", decode_is_calm, timeout_s=60)
     prefilled_on: set[str] = set()
     with flip_app.client() as client:
         deadline = time.monotonic() + 120
