@@ -247,6 +247,13 @@ class RouterConfig(_Strict):
         "pd_decision.py); counted in pdserve_pd_decisions_total{path}. Instead of "
         "local_prefill_max_tokens",
     )
+    adaptive_stall_budget: Literal["stream", "token"] = Field(
+        "stream",
+        description="with adaptive_prefill: how long a local prefill may stall the decode "
+        "replica's running streams: 'stream', the TPOT headroom over a stream's mean output "
+        "(within the SLO); 'token', one token's headroom (long prompts go remote while "
+        "streams run)",
+    )
     request_timeout_s: float = Field(
         600.0,
         gt=0,

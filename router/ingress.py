@@ -57,7 +57,7 @@ from router.openai_api import (
     unauthenticated_response,
 )
 from router.openai_fields import sampling_defaults
-from router.pd_decision import PDDecider
+from router.pd_decision import PDDecider, StallBudget
 from router.policy import LocalPrefill, PredictedPrefill
 from router.pools import ColocatedEngines, DisaggregatedEngines
 from router.roles import RolePoller
@@ -135,6 +135,7 @@ class RouterSettings:
     key_limit_timeout_s: float = ACQUIRE_TIMEOUT_S
     # router.adaptive_prefill: the decode streams' TPOT target the decision keeps; None: off.
     adaptive_prefill_tpot_s: float | None = None
+    adaptive_stall_budget: StallBudget = "stream"
 
 
 def _prefill_placement(
@@ -145,7 +146,9 @@ def _prefill_placement(
     if settings.colocated:
         return None
     if settings.adaptive_prefill_tpot_s is not None:
-        decider = PDDecider(settings.adaptive_prefill_tpot_s)
+        decider = PDDecider(
+            settings.adaptive_prefill_tpot_s, stall_budget=settings.adaptive_stall_budget
+        )
         return PredictedPrefill(decider, pool_view.POOL_VIEW, metrics.count_decision)
     if settings.local_prefill_max_tokens:
         return LocalPrefill(settings.local_prefill_max_tokens, metrics.count_decision)

@@ -166,13 +166,27 @@ class PDDecision:
         )
 
 
+StallBudget = Literal["stream", "token"]
+
+
 class PDDecider:
     """The decision and what it learns from. `tpot_slo_s`: the decode streams' TPOT target;
-    `max_snapshot_age_s`: a decode pool load older than this is no signal."""
+    `max_snapshot_age_s`: a decode pool load older than this is no signal. `stall_budget`:
+    how long a local prefill may stall the decode engine's running streams: "stream", the
+    TPOT headroom over a stream's mean output (the streams stay within the SLO, though one
+    long prompt may stall them seconds); "token", one token's headroom (a stall no longer
+    than one more step each stream can afford: long prompts go remote while streams run)."""
 
     def __init__(
-        self, tpot_slo_s: float, max_snapshot_age_s: float = 10.0, window: int = 64
+        self,
+        tpot_slo_s: float,
+        max_snapshot_age_s: float = 10.0,
+        window: int = 64,
+        stall_budget: StallBudget = "stream",
     ) -> None:
+        if stall_budget not in ("stream", "token"):
+            raise ValueError(f"stall_budget must be 'stream' or 'token', got {stall_budget!r}")
+        self.stall_budget = stall_budget
         if tpot_slo_s <= 0 or max_snapshot_age_s <= 0:
             raise ValueError(
                 f"tpot_slo_s and max_snapshot_age_s must be > 0, got {tpot_slo_s}, "
@@ -230,10 +244,9 @@ class PDDecider:
         if inputs.decode.num_running > 0:
             # The streams on that engine wait `stall` once; over a stream's output that adds
             # stall / tokens to its mean TPOT, which must stay under the SLO where the
-            # recent tail already is.
-            headroom = max(0.0, self.tpot_slo_s - _known(self.tpot.value)) * _known(
-                self.output_tokens.value
-            )
+            # recent tail already is ("stream"); or that one gap must ("token").
+            tokens = _known(self.output_tokens.value) if self.stall_budget == "stream" else 1.0
+            headroom = max(0.0, self.tpot_slo_s - _known(self.tpot.value)) * tokens
             if stall > headroom:
                 return PDDecision(
                     "remote",

@@ -13,6 +13,7 @@ from router.pd_decision import (
     PDInputs,
     PoolSnapshot,
     RecentQuantile,
+    StallBudget,
 )
 
 
@@ -92,10 +93,10 @@ def test_the_tpot_tail_not_the_mean_limits_local_prefills() -> None:
     assert decider.decide(inputs(500, running=8)).path == "local"
 
 
-def fitted(tpot_slo_s: float = 0.3) -> PDDecider:
+def fitted(tpot_slo_s: float = 0.3, stall_budget: StallBudget = "stream") -> PDDecider:
     """Prefill: 0.05 s + 1 ms per token; transfer: 0.02 s + 0.1 ms per token; TPOT 0.1 s over
     100-token outputs."""
-    decider = PDDecider(tpot_slo_s)
+    decider = PDDecider(tpot_slo_s, stall_budget=stall_budget)
     for tokens in (100, 500, 1000, 2000):
         decider.observe(tokens, 0.05 + 0.001 * tokens, 0.02 + 0.0001 * tokens, 0.1, 100)
     return decider
@@ -173,7 +174,20 @@ def test_a_missing_signal_means_local_and_the_transfer_rate_is_learned() -> None
     assert (decision.path, decision.reason) == ("local", "no observed TPOT yet")
 
 
+def test_a_one_token_stall_budget_sends_long_prompts_remote_while_streams_run() -> None:
+    # The same 1,000 tokens: 1.05 s of stall against one token's headroom, 0.3 - 0.1 = 0.2 s.
+    token = fitted(stall_budget="token")
+    decision = token.decide(inputs(1000, running=8))
+    assert decision.path == "remote" and decision.headroom_s == pytest.approx(0.2)
+    # 100 tokens stall them 0.15 s: within one token's headroom, and sooner locally.
+    assert token.decide(inputs(100, running=8)).path == "local"
+    # No stream running: nothing to stall, the sooner path.
+    assert token.decide(inputs(1000)).path == "local"
+
+
 def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="stall_budget"):
+        PDDecider(0.3, stall_budget="request")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="tpot_slo_s"):
         PDDecider(0.0)
     with pytest.raises(ValueError, match="window"):
