@@ -194,9 +194,13 @@ def assess_decode(
         wanted = None
         reason += f"; {s.num_starting} replicas still starting"
     kv_after = s.kv_cache_usage * ready / (n - 1) if n > 1 else math.inf
+    # Waiting counts once it has lasted `waiting_sustain_s`, for calm as for a breach: a
+    # sequence waits for its KV to arrive on every handoff (vLLM counts it waiting too), so
+    # "none waiting right now" flips tick by tick on a pool that is idle in all else.
+    waited = waiting_since is not None and now_s - waiting_since >= config.waiting_sustain_s
     is_calm = (
         s.num_starting == 0
-        and not has_waiting
+        and not waited
         and (s.tpot_p95_s is None or s.tpot_p95_s < slo.tpot_p95_s * config.downscale_margin)
         and kv_after < config.kv_usage_low
     )

@@ -166,6 +166,21 @@ def test_busy_pool_does_not_scale_down() -> None:
 
 
 # Decode.
+def test_a_decode_pool_is_calm_through_momentary_waiting_not_sustained_waiting() -> None:
+    """A handoff's sequence waits while its KV arrives: one tick with waiting sequences keeps
+    a pool calm; waiting that lasts `waiting_sustain_s` ends it."""
+    idle = make_decode(tpot_p95_s=0.01, num_running=0, kv_cache_usage=0.1)
+    one_waiting = idle._replace(num_waiting=1)
+    calm = decide_decode(idle, SLO, BOUNDS, None, ScalingHistory(), 0.0, CONFIG)
+    assert calm.reason.startswith("hold: calm"), calm.reason
+    still = decide_decode(one_waiting, SLO, BOUNDS, None, calm.history, 10.0, CONFIG)
+    assert still.reason.startswith("hold: calm"), still.reason
+    assert still.history.calm_since_s == 0.0
+    late = CONFIG.waiting_sustain_s + 10.0
+    ended = decide_decode(one_waiting, SLO, BOUNDS, None, still.history, late, CONFIG)
+    assert not ended.reason.startswith("hold: calm"), ended.reason
+
+
 def test_decode_scales_on_kv_usage_and_sustained_waiting() -> None:
     full = decide_decode(make_decode(kv_cache_usage=0.95), SLO, BOUNDS, None, ScalingHistory(), 0)
     assert full.target_replicas == 3 and "KV-cache usage" in full.reason
