@@ -54,6 +54,9 @@ class AutoscalingConfig:
     # flip per this many ticks per pool.
     flip_first: bool = True
     flip_interval_ticks: float = 3.0
+    # Between scale events, flip engines so the split follows the measured prefill share of the
+    # work (autoscaling/roles.py plan_split; needs flip_first).
+    split_follows_work: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.percentile <= 100:

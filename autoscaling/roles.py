@@ -15,14 +15,27 @@ Serve could otherwise pick that very replica to stop.
 Hysteresis: a pool flips at most once per `min_interval_s`; a lender holds while its replica
 is out, so a borrow is not undone by the lender's next scale-down; its recall is a scale-up,
 held by its up cool-down like any other.
+
+The split follows the work (`plan_split`): between scale events, the engines serving each role
+track the measured prefill share of the work. Every engine reports both its prefill busy time
+and its decode load; in replicas' worth at the policy's targets (`Work`), the prefill share s of
+N engines asks for N x s of them serving prefill (at least one of each). A pool short of its
+share by a whole replica or more takes one by a flip: its own lent replica back first, else the
+other pool's last one serving the other role, when the other role keeps two or more and stays
+within its target with one fewer. A whole replica, not a rounding, is the hysteresis: after the
+flip the other side is short by less than one, so it does not flip back at the same work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from autoscaling.config import AutoscalingConfig
 from control.records import DecisionRecord, RoleTable
+from engine.autoscaling_stats import BUSY_FRACTION, KV_CACHE_USAGE, TPOT_P95_S
 
 OTHER_POOL = {"prefill": "decode", "decode": "prefill"}
 
@@ -94,3 +107,107 @@ def plan_role_change(
         spare[-1],
         pool,
     )
+
+
+WORK_INPUTS = ("work_prefill", "work_decode")  # their names in a pool's DecisionRecord inputs
+
+
+class Work(NamedTuple):
+    """Work in replicas' worth at the policy's targets: prefill, busy time over
+    `target_utilization`; decode, the larger of TPOT P95 over `slo_headroom` x the TPOT SLO and
+    KV usage over `kv_usage_target` (what the decode policy scales on, linear in load)."""
+
+    prefill: float = 0.0
+    decode: float = 0.0
+
+    def __add__(self, other: object) -> Work:
+        if not isinstance(other, Work):
+            return NotImplemented
+        return Work(self.prefill + other.prefill, self.decode + other.decode)
+
+    def as_inputs(self) -> dict[str, float]:
+        """As a DecisionRecord's inputs hold it (`work_from_inputs` reads it back)."""
+        return dict(zip(WORK_INPUTS, self, strict=True))
+
+    @property
+    def prefill_share(self) -> float | None:
+        total = self.prefill + self.decode
+        return self.prefill / total if total > 0 else None
+
+
+def replica_work(
+    metrics: Mapping[str, float], tpot_slo_s: float, config: AutoscalingConfig
+) -> Work:
+    """One engine's work from its autoscaling metrics (decode_workers/deployment.py reports
+    both windows; a missing or "no sample" value counts as none)."""
+
+    def value(key: str) -> float:
+        number = metrics.get(key, 0.0)
+        return number if isinstance(number, int | float) and math.isfinite(number) else 0.0
+
+    busy = min(max(value(BUSY_FRACTION), 0.0), 1.0)
+    tpot_s = max(value(TPOT_P95_S), 0.0)
+    kv = min(max(value(KV_CACHE_USAGE), 0.0), 1.0)
+    return Work(
+        busy / config.target_utilization,
+        max(tpot_s / (config.slo_headroom * tpot_slo_s), kv / config.kv_usage_target),
+    )
+
+
+def pool_work(
+    metrics: Iterable[Mapping[str, float]], tpot_slo_s: float, config: AutoscalingConfig
+) -> Work:
+    return sum((replica_work(m, tpot_slo_s, config) for m in metrics), Work())
+
+
+def work_from_inputs(inputs: Mapping[str, float]) -> Work | None:
+    """A pool's work as its DecisionRecord holds it; None when the record has none."""
+    if not all(name in inputs for name in WORK_INPUTS):
+        return None
+    return Work(*(inputs[name] for name in WORK_INPUTS))
+
+
+def plan_split(
+    pool: str,
+    current_replicas: int,
+    work: Work,
+    table: RoleTable,
+    replicas: Mapping[str, Sequence[str]],
+    now_s: float,
+    last_flip_s: float | None,
+    min_interval_s: float,
+    min_load: float,
+) -> RoleChange | None:
+    """The flip that moves one engine to `pool`'s role when the app's `work` asks for a whole
+    replica more of it there (the pool keeps `current_replicas`); None to leave the split.
+    `replicas`: each pool's live worker ids; `min_load`: below this work per engine serving its
+    role, a pool takes none (near idle, the share is noise)."""
+    share = work.prefill_share
+    if share is None:
+        return None
+    if last_flip_s is not None and now_s - last_flip_s < min_interval_s:
+        return None
+    other = OTHER_POOL[pool]
+    live = {pool_name: sorted(ids) for pool_name, ids in replicas.items()}
+    engines = [w for ids in live.values() for w in ids]
+    serving = {role: sum(table.role_of(w) == role for w in engines) for role in OTHER_POOL}
+    total = len(engines)
+    if total < 2 or serving[pool] == 0 or serving[other] < 2:
+        return None
+    own_share = share if pool == "prefill" else 1.0 - share
+    wanted = min(max(total * own_share, 1.0), total - 1.0)
+    own_work = work.prefill if pool == "prefill" else work.decode
+    other_work = work.decode if pool == "prefill" else work.prefill
+    if wanted - serving[pool] < 1.0 or own_work / serving[pool] < min_load:
+        return None
+    if other_work / (serving[other] - 1) > 1.0:
+        return None  # one engine fewer would put the other role over its target
+    why = (
+        f"split: prefill share {share:.2f} of the work asks for {wanted:.1f} of {total} engines "
+        f"serving {pool}, {serving[pool]} do"
+    )
+    lent = [w for w in live.get(pool, ()) if table.role_of(w) != pool]
+    if lent:
+        return RoleChange(current_replicas, f"{why}: recalls {lent[0]}", lent[0], pool)
+    taken = [w for w in live.get(other, ()) if table.role_of(w) == other][-1]
+    return RoleChange(current_replicas, f"{why}: borrows {taken} from {other}", taken, pool)

@@ -31,7 +31,13 @@ from autoscaling.config import DEFAULT_CONFIG, DEFAULT_SLO, AutoscalingConfig
 from autoscaling.control_reader import ControlReader, ControlSettings, RolesSnapshot
 from autoscaling.history import ScalingHistory
 from autoscaling.policy import Decision, decide_decode, decide_prefill
-from autoscaling.roles import plan_role_change
+from autoscaling.roles import (
+    Work,
+    plan_role_change,
+    plan_split,
+    pool_work,
+    work_from_inputs,
+)
 from autoscaling.serve_metrics import (
     decision_inputs,
     decode_report_from_metrics,
@@ -147,8 +153,13 @@ class PoolAutoscaler:
         decision: Decision = self.functions.decide(
             signals, control.slo, bounds, control.pin, _history(state), now_s, self.config
         )
-        if decision.is_scale_event and self.config.flip_first and control.pin is None:
-            decision = self._flip_first(decision, state, now_s)
+        # Every engine reports both windows: this pool's share of the app's work, for the split.
+        work = pool_work(latest.values(), control.slo.tpot_p95_s, self.config)
+        if self.config.flip_first and control.pin is None:
+            if decision.is_scale_event:
+                decision = self._flip_first(decision, state, now_s)
+            elif self.config.split_follows_work:
+                decision = self._follow_work(decision, work, state, now_s)
         reason = (
             decision.reason if control.error is None else f"{decision.reason} [{control.error}]"
         )
@@ -159,7 +170,7 @@ class PoolAutoscaler:
             decision.current_replicas,
             decision.target_replicas,
             reason,
-            decision_inputs(decision, control.slo, control.pin),
+            decision_inputs(decision, control.slo, control.pin) | work.as_inputs(),
         )
         # Every tick's decision is kept as the latest; the log gets scale events and changes
         # of reason only, so a steady pool does not flood it.
@@ -207,6 +218,38 @@ class PoolAutoscaler:
             reason=f"{change.reason}; instead of {decision.current_replicas} -> "
             f"{decision.target_replicas} ({decision.reason})",
         )
+
+    def _follow_work(
+        self, decision: Decision, work: Work, state: dict[str, Any], now_s: float
+    ) -> Decision:
+        """The decision, with the flip that moves one engine to this pool's role when the
+        app's measured prefill share asks for it (autoscaling/roles.py `plan_split`)."""
+        roles = self._roles(now_s)
+        if roles is None or roles.other_last is None:
+            return decision
+        if now_s - roles.other_last.at > 3 * self.config.tick_s:
+            return decision
+        other_work = work_from_inputs(roles.other_last.inputs)
+        if other_work is None:
+            return decision
+        change = plan_split(
+            self.pool,
+            decision.target_replicas,
+            work + other_work,
+            roles.table,
+            roles.replicas,
+            now_s,
+            state.get(LAST_FLIP_STATE_KEY),
+            min_interval_s=self.config.flip_interval_ticks * self.config.tick_s,
+            min_load=self.config.downscale_utilization,
+        )
+        if change is None or change.replica is None or change.role is None:
+            return decision
+        if not self.control.flip(change.replica, change.role):
+            return decision
+        state[LAST_FLIP_STATE_KEY] = now_s
+        self._roles_read = None
+        return decision._replace(reason=f"{change.reason}; {decision.reason}")
 
     def _roles(self, now_s: float) -> RolesSnapshot | None:
         """The roles as last read, at most `control_refresh_s` old (a pool that holds for a

@@ -103,21 +103,19 @@ class EngineServer(ReplicaShell):
     async def release(self, handoff: KVHandoff) -> None:
         await self._worker.release(handoff)
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Pushed to the Serve controller for its pool's SLO policy: both windows, whatever
+        calls the engine takes, so a policy also sees what its engines do for the other role
+        (the split follows the work: autoscaling/roles.py)."""
+        latest = self._worker.stats.latest
+        return self._prefill_window.report() | self._decode_window.report(
+            latest.num_running, latest.num_waiting, latest.kv_cache_usage
+        )
+
 
 class PrefillServer(EngineServer):
     pool = "prefill"
 
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        """Pushed to the Serve controller for the prefill pool's SLO policy."""
-        return self._prefill_window.report()
-
 
 class DecodeServer(EngineServer):
     pool = "decode"
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        """Pushed to the Serve controller for the decode pool's SLO policy."""
-        latest = self._worker.stats.latest
-        return self._decode_window.report(
-            latest.num_running, latest.num_waiting, latest.kv_cache_usage
-        )

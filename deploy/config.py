@@ -293,6 +293,11 @@ class AutoscalingSection(_Strict):
         "its own lent replica, or a borrow from a pool that would scale down), starting "
         "replicas only when no flip can (autoscaling/roles.py)",
     )
+    split_follows_work: bool = Field(
+        True,
+        description="between scale events, flip engines between the pools' roles so the "
+        "split follows the measured prefill share of the work (with flip_first)",
+    )
 
     def policy_config(self) -> AutoscalingConfig:
         return replace(
@@ -304,6 +309,7 @@ class AutoscalingSection(_Strict):
             downscale_delay_s=self.downscale_delay_s,
             downscale_cooldown_s=self.downscale_cooldown_s,
             flip_first=self.flip_first,
+            split_follows_work=self.split_follows_work,
         )
 
     @property

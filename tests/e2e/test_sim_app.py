@@ -335,14 +335,19 @@ def autoscaled_sim_config(
     name: str,
     redis_server: RedisServer,
     replicas: tuple[int, int] = (1, 1),
-    **autoscaling: float,
+    min_replicas: int = 1,
+    **autoscaling: float | bool,
 ) -> AppConfig:
-    """A disaggregated sim app whose pools autoscale between 1 and 2 replicas (starting at
-    `replicas`, prefill and decode) on a 1 s tick and a 5 s window, with the SLO and other
-    knobs given."""
+    """A disaggregated sim app whose pools autoscale between `min_replicas` and 2 replicas
+    (starting at `replicas`, prefill and decode) on a 1 s tick and a 5 s window, with the SLO
+    and other knobs given."""
     data = sim_config(name, "disaggregated").model_dump()
     for pool, num_replicas in zip(("prefill", "decode"), replicas, strict=True):
-        data[pool] |= {"num_replicas": num_replicas, "min_replicas": 1, "max_replicas": 2}
+        data[pool] |= {
+            "num_replicas": num_replicas,
+            "min_replicas": min_replicas,
+            "max_replicas": 2,
+        }
     data["control"] = {"redis_url": redis_server.url}
     data["autoscaling"] |= {
         "enabled": True,
@@ -414,6 +419,7 @@ def flip_app(serve_proxy: ServeProxy, redis_server: RedisServer) -> Iterator[Ser
         ttft_p95_s=0.001,
         tpot_p95_s=10.0,
         downscale_delay_s=600.0,
+        split_follows_work=False,  # this test is about the flip that replaces a scale-up
     )
     with deployed("flip", config, serve_proxy) as app:
         yield app
@@ -448,7 +454,10 @@ def test_a_pool_that_must_grow_borrows_a_calm_replica_before_starting_one(
     with flip_app.client() as client:
         deadline = time.monotonic() + 120
         while not flipped():
-            assert time.monotonic() < deadline, "no flip within 120 s"
+            if time.monotonic() > deadline:
+                with SyncControlStore.connect(redis_server.url, FLIP_APP) as store:
+                    log = [(d.pool, d.reason) for d in store.recent_decisions(30)]
+                pytest.fail(f"no flip within 120 s; decisions: {log}")
             collect(client.generate("a prompt to prefill", max_tokens=2, ignore_eos=True))
         ((borrowed, role),) = flipped().items()
         assert borrowed.startswith("decode-") and role == "prefill"
@@ -467,3 +476,72 @@ def test_a_pool_that_must_grow_borrows_a_calm_replica_before_starting_one(
     assert firsts[0].reason.startswith("borrows"), firsts
     assert all(d.target_replicas == 2 for d in decode), decode
     assert running("Decode") == 2
+
+
+SPLIT_APP = "sim-split"
+
+
+@pytest.fixture(scope="module")
+def split_app(serve_proxy: ServeProxy, redis_server: RedisServer) -> Iterator[ServedApp]:
+    """A sim app of 2 prefill and 2 decode replicas, each pool held at 2 (so no pool starts or
+    stops one), whose TPOT target (50 ms) is below the profile's decode step (59 ms): decoding
+    is over a whole replica's worth of work per engine."""
+    config = autoscaled_sim_config(
+        SPLIT_APP, redis_server, replicas=(2, 2), min_replicas=2, ttft_p95_s=60.0, tpot_p95_s=0.05
+    )
+    with deployed("split", config, serve_proxy) as app:
+        yield app
+
+
+def test_the_split_follows_the_work_live(split_app: ServedApp, redis_server: RedisServer) -> None:
+    """Issue 16 item 3, live: under decode-heavy load (6 streams of 80 tokens after 4-token
+    prompts) the prefill share of the work is near 0, so the decode policy moves one prefill
+    engine to decode calls by a flip (2:2 -> 1:3), that engine then decodes requests, and no
+    second flip follows (one engine keeps prefill)."""
+    import threading
+
+    from control.sync_store import SyncControlStore
+
+    def flipped() -> dict[str, str]:
+        with SyncControlStore.connect(redis_server.url, SPLIT_APP) as store:
+            return dict(store.role_table().flipped)
+
+    assert (_running("Prefill", SPLIT_APP), _running("Decode", SPLIT_APP)) == (2, 2)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    decoded_on: set[str] = set()
+
+    def streams(i: int) -> None:
+        try:
+            with split_app.client() as client:
+                while not stop.is_set():
+                    done = collect(client.generate(f"split {i}", max_tokens=80, ignore_eos=True))
+                    decoded_on.add(done.timings.decode_replica)
+        except BaseException as exc:
+            errors.append(exc)
+
+    load = [threading.Thread(target=streams, args=(i,), daemon=True) for i in range(6)]
+    for thread in load:
+        thread.start()
+    try:
+        wait_for("a flip of the split", lambda: bool(flipped()), timeout_s=120)
+        ((moved, role),) = flipped().items()
+        assert moved.startswith("prefill-") and role == "decode"
+        decoded_on.clear()
+        time.sleep(12.0)  # several ticks and flip intervals (3 s) under the same load
+        assert flipped() == {moved: "decode"}  # no flip back, no second one
+    finally:
+        stop.set()
+        for thread in load:
+            thread.join(timeout=60)
+    assert not errors, errors[:1]
+    assert moved in decoded_on, decoded_on
+    with SyncControlStore.connect(redis_server.url, SPLIT_APP) as store:
+        decode = store.recent_decisions(100, pool="decode")
+    splits = [d for d in decode if d.reason.startswith("split: prefill share")]
+    assert len(splits) == 1 and f"borrows {moved} from prefill" in splits[0].reason, decode
+    # The decode pool's own engines: over a replica's worth of decode, next to no prefill.
+    inputs = splits[0].inputs
+    assert inputs["work_decode"] > 1.0 and inputs["work_prefill"] < 0.1, inputs
+    assert all(d.target_replicas == 2 for d in decode), decode
+    assert (_running("Prefill", SPLIT_APP), _running("Decode", SPLIT_APP)) == (2, 2)

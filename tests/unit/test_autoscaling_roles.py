@@ -3,8 +3,19 @@ scale decision."""
 
 from __future__ import annotations
 
-from autoscaling.roles import plan_role_change
+import pytest
+
+from autoscaling.config import AutoscalingConfig
+from autoscaling.roles import (
+    Work,
+    plan_role_change,
+    plan_split,
+    pool_work,
+    replica_work,
+    work_from_inputs,
+)
 from control.records import DecisionRecord, RoleTable
+from engine.autoscaling_stats import BUSY_FRACTION, KV_CACHE_USAGE, TPOT_P95_S
 
 NOW = 1_700_000_000.0
 REPLICAS = {"prefill": ["prefill-p1"], "decode": ["decode-d1", "decode-d2"]}
@@ -72,3 +83,69 @@ def test_at_most_one_flip_per_interval() -> None:
     other = decision("decode", 2, 1)
     assert plan("prefill", 1, 2, other_last=other, last_flip_s=NOW - 10) is None
     assert plan("prefill", 1, 2, other_last=other, last_flip_s=NOW - 31) is not None
+
+
+# The split follows the work (plan_split): engines of four, two in each pool.
+FOUR = {"prefill": ["prefill-p1", "prefill-p2"], "decode": ["decode-d1", "decode-d2"]}
+
+
+def split(pool: str, work: Work, **kw: object):  # type: ignore[no-untyped-def]
+    args = {
+        "table": RoleTable(),
+        "replicas": FOUR,
+        "now_s": NOW,
+        "last_flip_s": None,
+        "min_interval_s": 30.0,
+        "min_load": 0.4,
+    } | kw
+    return plan_split(pool, 2, work, **args)  # type: ignore[arg-type]
+
+
+def test_replica_work_is_in_replicas_at_the_policy_targets() -> None:
+    config = AutoscalingConfig(target_utilization=0.8, slo_headroom=0.8, kv_usage_target=0.7)
+    metrics = {BUSY_FRACTION: 0.4, TPOT_P95_S: 0.12, KV_CACHE_USAGE: 0.35}
+    work = replica_work(metrics, 0.3, config)
+    assert work.prefill == pytest.approx(0.5)
+    assert work.decode == pytest.approx(0.5)  # 0.12 / (0.8 x 0.3), KV 0.35 / 0.7 the same
+    # KV usage drives it when it is the larger; "no sample" (-1) and absent keys count as none.
+    assert replica_work({TPOT_P95_S: -1.0, KV_CACHE_USAGE: 0.56}, 0.3, config) == pytest.approx(
+        Work(0.0, 0.8)
+    )
+    both = pool_work([metrics, {BUSY_FRACTION: 0.8}], 0.3, config)
+    assert both == pytest.approx(Work(1.5, 0.5))
+    assert work_from_inputs({"work_prefill": 1.5, "work_decode": 0.5}) == Work(1.5, 0.5)
+    assert work_from_inputs({"work_prefill": 1.5}) is None
+
+
+def test_a_decode_heavy_app_moves_one_prefill_engine_to_decode_and_stays() -> None:
+    work = Work(prefill=0.2, decode=2.4)  # prefill share 0.08: 3.7 of 4 engines should decode
+    change = split("decode", work)
+    assert change is not None
+    assert (change.replica, change.role, change.target_replicas) == ("prefill-p2", "decode", 2)
+    assert "prefill share 0.08" in change.reason and "borrows prefill-p2" in change.reason
+    assert split("prefill", work) is None  # prefill is over its share, it never gives by itself
+    # After the flip neither side is a whole engine short: no flip back, no second flip (one
+    # prefill engine is the least).
+    flipped = RoleTable(1, {"prefill-p2": "decode"})
+    assert split("decode", work, table=flipped) is None
+    assert split("prefill", work, table=flipped) is None
+
+
+def test_the_split_holds_when_the_share_is_met_idle_or_the_giver_would_breach() -> None:
+    assert split("decode", Work(1.0, 1.0)) is None  # 2:2 is the share
+    assert split("prefill", Work(1.0, 1.0)) is None
+    assert split("decode", Work(0.0, 0.0)) is None  # idle: no share
+    assert split("decode", Work(0.02, 0.6)) is None  # decode 0.3 per engine: near idle
+    # One prefill engine fewer would be 1.5 replicas' worth of prefill on one engine.
+    assert split("decode", Work(1.5, 9.0)) is None
+    # At most one flip per interval.
+    assert split("decode", Work(0.2, 2.4), last_flip_s=NOW - 10) is None
+    assert split("decode", Work(0.2, 2.4), last_flip_s=NOW - 31) is not None
+
+
+def test_a_pool_short_of_its_share_recalls_its_lent_engine_first() -> None:
+    lent = RoleTable(1, {"prefill-p2": "decode"})  # 1:3
+    change = split("prefill", Work(prefill=2.4, decode=0.3), table=lent)
+    assert change is not None
+    assert (change.replica, change.role) == ("prefill-p2", "prefill")
+    assert "recalls prefill-p2" in change.reason
