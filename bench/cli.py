@@ -139,6 +139,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     data = load_app_config(Path(args.config)).model_dump()
     if args.model:
         data["engine"]["model"] = args.model
+    if "auto" in args.systems and not (args.target or args.http):
+        # `topology: auto` plans for one workload and SLO: the one this run judges by.
+        if len(plan.workloads) != 1:
+            raise ValueError("--systems auto plans for one workload: give one --workload")
+        data["plan"]["workload"] = (args.workload or ["chat"])[0]
+        if plan.slo is not None:
+            data["plan"] |= {"ttft_s": plan.slo.ttft_s, "tpot_s": plan.slo.tpot_s}
     config = AppConfig.model_validate(data)
     out = Path(args.out or f"bench/results/{time.strftime('%Y%m%d-%H%M%S')}")
     tokenizer = load_tokenizer(str(resolve_model(config.engine.model)))

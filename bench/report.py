@@ -116,7 +116,8 @@ def _ms(d: Distribution | None, attr: str) -> str:
 
 
 def markdown(report: Report) -> str:
-    lines: list[str] = _role_flip_lines(report.meta.get("facts", {}))
+    facts = report.meta.get("facts", {})
+    lines: list[str] = [*_auto_lines(facts), *_role_flip_lines(facts)]
     for workload in report.workloads:
         runs = report.runs_of(workload)
         slo = runs[0].slo
@@ -158,6 +159,16 @@ def markdown(report: Report) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def _auto_lines(facts: dict[str, Any]) -> list[str]:
+    """What `topology: auto` deployed, and why (deploy/plan.py)."""
+    rows = [
+        f"{system}: `topology: auto` deployed {f['pick']}: {f['reason']}"
+        for system, fact in facts.items()
+        if (f := fact.get("auto"))
+    ]
+    return [*rows, ""] if rows else []
 
 
 def _role_flip_lines(facts: dict[str, Any]) -> list[str]:

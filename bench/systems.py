@@ -7,6 +7,10 @@ never share the cores:
 - `adaptive`: the disaggregated app whose router prefills each prompt where it predicts the
   sooner first token within the decode streams' TPOT (`router.adaptive_prefill`, the TPOT
   target `autoscaling.tpot_p95_s`). Not in the default set.
+- `auto`: the app with `topology: auto`: the planner (deploy/plan.py) picks colocated, a
+  split or an adaptive split for the config's `plan` workload and SLO when the app is built
+  (`pdserve bench run` sets them to its one workload and --slo-*); the pick and its reason go
+  to the report. Not in the default set.
 - `sim`: the disaggregated app with simulated engines (engine/sim/): the config's `engine.sim`,
   else the named profile. Not in the default set: it measures pdserve, not an engine.
 - `ray-serve-llm`: Ray Serve LLM's own P/D app (`build_pd_openai_app`: OpenAI ingress, decode
@@ -39,9 +43,11 @@ if TYPE_CHECKING:
     from engine.settings import EngineSettings
     from kv_transfer.base import KVBackend, Role
 
-SystemName = Literal["disaggregated", "colocated", "engine", "adaptive", "sim", "ray-serve-llm"]
+SystemName = Literal[
+    "disaggregated", "colocated", "engine", "adaptive", "auto", "sim", "ray-serve-llm"
+]
 SYSTEMS: tuple[SystemName, ...] = ("disaggregated", "colocated", "engine")
-ALL_SYSTEMS: tuple[SystemName, ...] = (*SYSTEMS, "adaptive", "sim", "ray-serve-llm")
+ALL_SYSTEMS: tuple[SystemName, ...] = (*SYSTEMS, "adaptive", "auto", "sim", "ray-serve-llm")
 DEFAULT_SIM_PROFILE = "cpu-smollm2"
 
 
@@ -84,6 +90,7 @@ def start_system(
 @contextmanager
 def _pdserve(system: SystemName, config: AppConfig, timeout_s: float) -> Iterator[Target]:
     from deploy.local import free_ports
+    from deploy.plan import resolve_auto
     from deploy.up import down, up
 
     previous = os.environ.get("PDSERVE_RUN_DIR")
@@ -91,14 +98,20 @@ def _pdserve(system: SystemName, config: AppConfig, timeout_s: float) -> Iterato
         os.environ["PDSERVE_RUN_DIR"] = run_dir
         try:
             http_port, grpc_port = free_ports(2)
+            deployed, pick = resolve_auto(config)  # what build_app deploys for `auto`
             run = up(config, http_port=http_port, grpc_port=grpc_port, timeout_s=timeout_s)
             try:
                 # `up` makes the run an API key (auth is on by default): the client sends it.
                 target = GrpcTarget(
                     system, run.grpc_target, application=config.name, api_key=run.api_key or None
                 )
+                if pick is not None:
+                    target.facts["auto"] = {
+                        "pick": pick.best.candidate.name,
+                        "reason": pick.reason(),
+                    }
                 yield target
-                if config.topology == "disaggregated" and run.redis_url:
+                if deployed.topology == "disaggregated" and run.redis_url:
                     target.facts["role_flips"] = _role_flips(run.redis_url, config.name)
             finally:
                 report = down()

@@ -35,7 +35,6 @@ def add_plan_command(commands: argparse._SubParsersAction) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from deploy.config import AppConfig, load_app_config
     from deploy.plan import format_plan, plan_for
-    from deploy.workload import WorkloadSLO, load_workload
 
     config = load_app_config(Path(args.config)) if args.config else AppConfig()
     data = config.model_dump()
@@ -46,16 +45,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "engines": args.engines,
         "attainment": args.attainment,
         "min_gain": args.min_gain,
+        "ttft_s": args.ttft,
+        "tpot_s": args.tpot,
     }
     data["plan"] |= {k: v for k, v in given.items() if v is not None}
     config = AppConfig.model_validate(data)
-    workload = load_workload(config.plan.workload)
-    slo = {k: v for k, v in (("ttft_s", args.ttft), ("tpot_s", args.tpot)) if v is not None}
-    if slo:  # validated as the workload's own SLO is
-        workload = workload.model_copy(
-            update={"slo": WorkloadSLO.model_validate(workload.slo.model_dump() | slo)}
-        )
-    result = plan_for(config, workload)
+    result = plan_for(config)
     if args.json:
         shown = {**asdict(result), "pick": result.best.candidate.name, "reason": result.reason()}
         print(json.dumps(shown, indent=2))

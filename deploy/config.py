@@ -339,6 +339,8 @@ class PlanConfig(_Strict):
     attainment: float = Field(
         0.9, gt=0, le=1, description="share of requests that must meet the workload's SLOs"
     )
+    ttft_s: float | None = Field(None, gt=0, description="TTFT SLO (s); None: the workload's")
+    tpot_s: float | None = Field(None, gt=0, description="TPOT SLO (s); None: the workload's")
     seed: int = Field(0, ge=0, description="seed of the modelled arrivals and lengths")
     min_gain: float = Field(
         1.1,

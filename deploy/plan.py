@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from deploy.config import AppConfig
-from deploy.workload import Workload, load_workload
+from deploy.workload import Workload, WorkloadSLO, load_workload
 from engine.sim.blocks import BlockPool
 from engine.sim.profile import Link, SimProfile, load_link, load_profile
 from engine.sim.scheduler import SimRequest, SimScheduler, Step
@@ -272,6 +272,11 @@ def plan_for(config: AppConfig, workload: Workload | None = None) -> Plan:
         max_num_batched_tokens=engine.engine_kwargs.get("max_num_batched_tokens"),
     )
     workload = workload or load_workload(spec.workload)
+    slo = {k: v for k, v in (("ttft_s", spec.ttft_s), ("tpot_s", spec.tpot_s)) if v is not None}
+    if slo:  # validated as the workload's own SLO is
+        workload = workload.model_copy(
+            update={"slo": WorkloadSLO.model_validate(workload.slo.model_dump() | slo)}
+        )
     engines = spec.engines or config.prefill.num_replicas + config.decode.num_replicas
     trace = Trace.of(workload, seed=spec.seed)
     return plan(

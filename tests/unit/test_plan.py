@@ -21,6 +21,7 @@ from deploy.plan import (
     candidates,
     format_plan,
     plan,
+    plan_for,
     resolve_auto,
 )
 from deploy.workload import Workload
@@ -215,3 +216,17 @@ def test_other_topologies_pass_unplanned_and_bad_plan_fields_are_named() -> None
     )
     with pytest.raises(ValueError, match="longer than the engines' max_model_len 512"):
         resolve_auto(too_long)
+
+
+def test_the_plan_section_s_slo_replaces_the_workload_s() -> None:
+    """`plan.ttft_s` / `plan.tpot_s` (what `pdserve plan --ttft/--tpot` and `bench run --systems
+    auto --slo-*` set) are the SLO the candidates are judged by; either alone keeps the other."""
+    config = AppConfig.model_validate(
+        {"topology": "auto", "plan": {"workload": "chat", "ttft_s": 2.0, "tpot_s": 0.3}}
+    )
+    result = plan_for(config)
+    assert (result.ttft_slo_s, result.tpot_slo_s) == (2.0, 0.3)
+    one = AppConfig.model_validate({"topology": "auto", "plan": {"tpot_s": 0.3}})
+    assert (plan_for(one).ttft_slo_s, plan_for(one).tpot_slo_s) == (1.5, 0.3)  # chat's TTFT
+    with pytest.raises(ValueError, match=r"plan\.tpot_s"):
+        AppConfig.model_validate({"topology": "auto", "plan": {"tpot_s": 0}})
