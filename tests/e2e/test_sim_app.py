@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -359,6 +360,38 @@ def autoscaled_sim_config(
     return AppConfig.model_validate(data)
 
 
+@contextmanager
+def decode_heavy_streams(app: ServedApp, label: str) -> Iterator[set[str]]:
+    """6 streams of 80 tokens after a few-token prompt each, back to back, until the block
+    ends; yields the decode replicas that served them (as they finish). Any stream's error
+    fails the block."""
+    import threading
+
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    decoded_on: set[str] = set()
+
+    def streams(i: int) -> None:
+        try:
+            with app.client() as client:
+                while not stop.is_set():
+                    done = collect(client.generate(f"{label} {i}", max_tokens=80, ignore_eos=True))
+                    decoded_on.add(done.timings.decode_replica)
+        except BaseException as exc:
+            errors.append(exc)
+
+    load = [threading.Thread(target=streams, args=(i,), daemon=True) for i in range(6)]
+    for thread in load:
+        thread.start()
+    try:
+        yield decoded_on
+    finally:
+        stop.set()
+        for thread in load:
+            thread.join(timeout=60)
+    assert not errors, errors[:1]
+
+
 def _running(deployment: str, app: str = TPOT_APP) -> int:
     return replica_states(app, deployment).get("RUNNING", 0)
 
@@ -369,32 +402,11 @@ def test_the_decode_pool_scales_on_tpot_live(
     """A decode-heavy burst (6 streams of 80 tokens, back to back) on the live Serve app: the
     decode pool's TPOT P95 passes its target, the decode policy scales 1 -> 2 and says why,
     and the prefill pool, within its TTFT target, stays at 1."""
-    import threading
-
     from control.sync_store import SyncControlStore
 
     assert (_running("Prefill"), _running("Decode")) == (1, 1)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def streams(i: int) -> None:
-        try:
-            with tpot_app.client() as client:
-                while not stop.is_set():
-                    collect(client.generate(f"decode-heavy {i}", max_tokens=80, ignore_eos=True))
-        except BaseException as exc:
-            errors.append(exc)
-
-    load = [threading.Thread(target=streams, args=(i,), daemon=True) for i in range(6)]
-    for thread in load:
-        thread.start()
-    try:
+    with decode_heavy_streams(tpot_app, "decode-heavy"):
         wait_for("decode to scale to 2", lambda: _running("Decode") >= 2, timeout_s=120)
-    finally:
-        stop.set()
-        for thread in load:
-            thread.join(timeout=60)
-    assert not errors, errors[:1]
     assert _running("Prefill") == 1
     with SyncControlStore.connect(redis_server.url, TPOT_APP) as store:
         ups = [d for d in store.recent_decisions(50, pool="decode") if d.target_replicas == 2]
@@ -498,8 +510,6 @@ def test_the_split_follows_the_work_live(split_app: ServedApp, redis_server: Red
     prompts) the prefill share of the work is near 0, so the decode policy moves one prefill
     engine to decode calls by a flip (2:2 -> 1:3), that engine then decodes requests, and no
     second flip follows (one engine keeps prefill)."""
-    import threading
-
     from control.sync_store import SyncControlStore
 
     def flipped() -> dict[str, str]:
@@ -507,34 +517,13 @@ def test_the_split_follows_the_work_live(split_app: ServedApp, redis_server: Red
             return dict(store.role_table().flipped)
 
     assert (_running("Prefill", SPLIT_APP), _running("Decode", SPLIT_APP)) == (2, 2)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    decoded_on: set[str] = set()
-
-    def streams(i: int) -> None:
-        try:
-            with split_app.client() as client:
-                while not stop.is_set():
-                    done = collect(client.generate(f"split {i}", max_tokens=80, ignore_eos=True))
-                    decoded_on.add(done.timings.decode_replica)
-        except BaseException as exc:
-            errors.append(exc)
-
-    load = [threading.Thread(target=streams, args=(i,), daemon=True) for i in range(6)]
-    for thread in load:
-        thread.start()
-    try:
+    with decode_heavy_streams(split_app, "split") as decoded_on:
         wait_for("a flip of the split", lambda: bool(flipped()), timeout_s=120)
         ((moved, role),) = flipped().items()
         assert moved.startswith("prefill-") and role == "decode"
         decoded_on.clear()
         time.sleep(12.0)  # several ticks and flip intervals (3 s) under the same load
         assert flipped() == {moved: "decode"}  # no flip back, no second one
-    finally:
-        stop.set()
-        for thread in load:
-            thread.join(timeout=60)
-    assert not errors, errors[:1]
     assert moved in decoded_on, decoded_on
     with SyncControlStore.connect(redis_server.url, SPLIT_APP) as store:
         decode = store.recent_decisions(100, pool="decode")
