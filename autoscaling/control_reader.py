@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import redis
 
+from autoscaling.roles import OTHER_POOL
 from control.keys import POOLS, ControlKeys, validate_pool
 from control.records import DecisionRecord, PoolSLO, ReplicaBounds, RoleTable
 from control.sync_store import SyncControlStore
@@ -119,11 +120,10 @@ class ControlReader:
             return None
         try:
             store = self._connected()
-            other = "decode" if self._pool == "prefill" else "prefill"
             return RolesSnapshot(
                 store.role_table(),
                 {pool: store.replica_ids(pool, replica_age_s) for pool in POOLS},
-                store.last_decision(other),
+                store.last_decision(OTHER_POOL[self._pool]),
             )
         except (redis.RedisError, OSError, ValueError) as error:
             logger.warning("pdserve %s autoscaler: reading the roles failed: %s", self._pool, error)

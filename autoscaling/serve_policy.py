@@ -32,6 +32,7 @@ from autoscaling.control_reader import ControlReader, ControlSettings, RolesSnap
 from autoscaling.history import ScalingHistory
 from autoscaling.policy import Decision, decide_decode, decide_prefill
 from autoscaling.roles import (
+    RoleChange,
     Work,
     plan_role_change,
     plan_split,
@@ -190,7 +191,6 @@ class PoolAutoscaler:
 
     def _flip_first(self, decision: Decision, state: dict[str, Any], now_s: float) -> Decision:
         """The decision, or the role flip (or hold) that replaces it (autoscaling/roles.py)."""
-        tick_s = self.config.tick_s
         roles = self._roles(now_s)
         if roles is None:
             return decision
@@ -203,16 +203,11 @@ class PoolAutoscaler:
             roles.other_last,
             now_s,
             state.get(LAST_FLIP_STATE_KEY),
-            min_interval_s=self.config.flip_interval_ticks * tick_s,
-            max_decision_age_s=3 * tick_s,
+            min_interval_s=self._flip_interval_s,
+            max_decision_age_s=self._max_decision_age_s,
         )
-        if change is None:
+        if change is None or not self._flipped(change, state, now_s):
             return decision
-        if change.replica is not None and change.role is not None:
-            if not self.control.flip(change.replica, change.role):
-                return decision
-            state[LAST_FLIP_STATE_KEY] = now_s
-            self._roles_read = None  # changed: read again next time
         return decision._replace(
             target_replicas=change.target_replicas,
             reason=f"{change.reason}; instead of {decision.current_replicas} -> "
@@ -227,7 +222,7 @@ class PoolAutoscaler:
         roles = self._roles(now_s)
         if roles is None or roles.other_last is None:
             return decision
-        if now_s - roles.other_last.at > 3 * self.config.tick_s:
+        if now_s - roles.other_last.at > self._max_decision_age_s:
             return decision
         other_work = work_from_inputs(roles.other_last.inputs)
         if other_work is None:
@@ -240,16 +235,32 @@ class PoolAutoscaler:
             roles.replicas,
             now_s,
             state.get(LAST_FLIP_STATE_KEY),
-            min_interval_s=self.config.flip_interval_ticks * self.config.tick_s,
+            min_interval_s=self._flip_interval_s,
             min_load=self.config.downscale_utilization,
         )
-        if change is None or change.replica is None or change.role is None:
+        if change is None or change.replica is None or not self._flipped(change, state, now_s):
             return decision
-        if not self.control.flip(change.replica, change.role):
-            return decision
-        state[LAST_FLIP_STATE_KEY] = now_s
-        self._roles_read = None
         return decision._replace(reason=f"{change.reason}; {decision.reason}")
+
+    @property
+    def _flip_interval_s(self) -> float:
+        return self.config.flip_interval_ticks * self.config.tick_s
+
+    @property
+    def _max_decision_age_s(self) -> float:
+        """The other pool's decision older than this is not acted on (3 ticks: it stopped)."""
+        return 3 * self.config.tick_s
+
+    def _flipped(self, change: RoleChange, state: dict[str, Any], now_s: float) -> bool:
+        """Apply `change`'s flip, if it names one; False when writing it failed (then the
+        decision stands as it was)."""
+        if change.replica is None or change.role is None:
+            return True  # a hold, no flip
+        if not self.control.flip(change.replica, change.role):
+            return False
+        state[LAST_FLIP_STATE_KEY] = now_s
+        self._roles_read = None  # changed: read again next time
+        return True
 
     def _roles(self, now_s: float) -> RolesSnapshot | None:
         """The roles as last read, at most `control_refresh_s` old (a pool that holds for a
