@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from control.breaker import BestEffort
 from control.keys import ControlKeys, validate_metric
@@ -38,6 +40,10 @@ from control.records import (
 from engine.messages import ReplicaLoad
 
 DEFAULT_SAMPLE_CAP = 2048
+# A connection that cannot be made in this long fails the call (a host that does not answer).
+CONNECT_TIMEOUT_S = 1.0
+# A command's reply: every one is a short string, so only a Redis that hangs takes this long.
+REPLY_TIMEOUT_S = 5.0
 
 
 # An API key's limits, atomically, on Redis's own clock (routers' clocks may disagree).
@@ -87,8 +93,20 @@ class ControlStore:
 
     @classmethod
     def from_url(cls, url: str, app: str) -> ControlStore:
-        """No I/O yet: the first command connects."""
-        return cls(aioredis.Redis.from_url(url), app)
+        """No I/O yet: the first command connects.
+
+        A call fails at once when Redis is down: one immediate retry (a pooled connection that
+        a restarted Redis closed reconnects), no backoff. redis-py's default, ten retries with
+        exponential backoff, held every call for its caller's whole bound during an outage
+        (the router's 50 ms prefix lookup, the role poll's 0.5 s), where a refused connection
+        can answer in a millisecond."""
+        client = aioredis.Redis.from_url(
+            url,
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+            socket_timeout=REPLY_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 1),
+        )
+        return cls(client, app)
 
     @classmethod
     async def connect(cls, url: str, app: str) -> ControlStore:
