@@ -713,7 +713,17 @@ def test_after_the_faults_no_kv_block_or_lease_is_held(route_app: ServedApp) -> 
 
         transfer = transfer_settings(route_app.config)
         registry = get_lease_registry(transfer.lease_registry, transfer.ray_namespace)
-        assert ray.get(registry.num_live.remote(), timeout=30) == 0
+        live = ray.get(registry.live_keys.remote(), timeout=30)
+        now = time.time()
+        held_leases = {
+            key: round(
+                (ray.get(registry.describe.remote(key), timeout=30) or {}).get("expires_at", now)
+                - now,
+                1,
+            )
+            for key in live
+        }
+        assert not held_leases, f"leases still live (key: seconds left): {held_leases}"
 
 
 # --- last: no prefill engine left ------------------------------------------------------
