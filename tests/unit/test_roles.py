@@ -75,9 +75,14 @@ def test_the_pool_view_predicts_from_the_replicas_serving_each_role() -> None:
     view.set_roles(RoleTable(1, {"decode-d1": "prefill"}))
     snapshot, _ = view.prefill((1, 2, 3))
     assert snapshot is not None and snapshot.queue_tokens == 0  # d1, idle
-    assert view.pool_for("prefill") == "decode"
+    # p1 and d1 take prefill calls: either pool's handle (at random, pool_for's test).
+    assert {view.pool_for("prefill") for _ in range(200)} == {"prefill", "decode"}
     decode = view.decode()
     assert decode is not None and decode.num_running == 0
+    # p1 lent to decode as well: d1 alone takes prefill calls, through the decode pool.
+    view.set_roles(RoleTable(2, {"decode-d1": "prefill", "prefill-p1": "decode"}))
+    assert {view.pool_for("prefill") for _ in range(200)} == {"decode"}
+    assert view.pool_for("decode") in ("prefill", "decode")
 
 
 def test_roles_applied_round_trip() -> None:
