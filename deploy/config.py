@@ -117,6 +117,13 @@ class PoolConfig(_Strict):
     cpu_cores: list[int] | None = Field(
         None, description="CPU cores this pool's engines compute on (CPU only); None: any"
     )
+    cores_per_replica: int | None = Field(
+        None,
+        ge=1,
+        description="each replica computes on its own slice of this many of cpu_cores, one no "
+        "other replica of the pool on its machine holds (all of them once every slice is "
+        "held); None: every replica on all of cpu_cores",
+    )
     num_cpus: float = Field(1.0, ge=0, description="Ray logical CPUs per replica")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per replica")
     resources: dict[str, float] = Field(
@@ -150,6 +157,10 @@ class PoolConfig(_Strict):
             raise ValueError("num_replicas must lie within [min_replicas, max_replicas]")
         if self.cpu_cores is not None and not self.cpu_cores:
             raise ValueError("cpu_cores must name at least one core, or be null")
+        if self.cores_per_replica is not None and (
+            self.cpu_cores is None or self.cores_per_replica > len(self.cpu_cores)
+        ):
+            raise ValueError("cores_per_replica must be at most the number of cpu_cores given")
         return self
 
 
@@ -477,7 +488,7 @@ def with_sim_engine(
     data["engine"]["sim"] = {"profile": profile, "link": link, "start_delay_s": start_delay_s}
     data["kv_transfer"]["backend"] = "sim"
     for pool in ("prefill", "decode", "colocated"):
-        data[pool] = {**data[pool], "num_cpus": 0, "cpu_cores": None}
+        data[pool] = {**data[pool], "num_cpus": 0, "cpu_cores": None, "cores_per_replica": None}
     return data
 
 

@@ -29,7 +29,7 @@ import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from deploy.config import AppConfig
 from deploy.workload import Workload, WorkloadSLO, load_workload
@@ -306,10 +306,16 @@ def resolve_auto(config: AppConfig) -> tuple[AppConfig, Plan | None]:
     return AppConfig.model_validate(data), result
 
 
-def _start_with(pool: dict[str, int], num_replicas: int) -> None:
+def _start_with(pool: dict[str, Any], num_replicas: int) -> None:
+    """The pool starts with `num_replicas`. The plan modelled each as an engine of its own: on
+    a pool with at least that many `cpu_cores`, each replica gets a slice of them (unless the
+    config already says how many per replica), not every replica all of them."""
     pool["num_replicas"] = num_replicas
     pool["min_replicas"] = min(pool["min_replicas"], num_replicas)
     pool["max_replicas"] = max(pool["max_replicas"], num_replicas)
+    cores = pool.get("cpu_cores")
+    if cores and pool.get("cores_per_replica") is None and 2 <= num_replicas <= len(cores):
+        pool["cores_per_replica"] = len(cores) // num_replicas
 
 
 def _goodput(model: AppModel, trace: Trace, attainment: float) -> CandidatePlan:

@@ -17,6 +17,7 @@ from router.ingress import RouterSettings
 def engine_spec(config: AppConfig, pool: PoolName) -> EngineSpec:
     engine = config.engine
     cores = config.pools[pool].cpu_cores
+    per_replica = config.pools[pool].cores_per_replica
     return EngineSpec(
         model=engine.model,
         device=engine.device,
@@ -27,6 +28,8 @@ def engine_spec(config: AppConfig, pool: PoolName) -> EngineSpec:
         max_num_seqs=engine.max_num_seqs,
         seed=engine.seed,
         cpu_cores=tuple(cores) if cores else None,
+        cores_per_replica=per_replica,
+        core_group=f"{config.name}.{pool}",
         gpu_memory_utilization=engine.gpu_memory_utilization,
         served_model_name=engine.served_name,
         sim=engine.sim.spec() if engine.sim else None,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from engine.cores import claim_cores
 from engine.models import resolve_model
 from engine.platform import Device, detect_device
 
@@ -152,13 +153,22 @@ class EngineSpec:
     seed: int = 0
     # Applies on CPU only.
     cpu_cores: tuple[int, ...] | None = None
+    # Each replica computes on a slice of this many of `cpu_cores` that no other replica of
+    # `core_group` on its machine holds (engine/cores.py); None: on all of them.
+    cores_per_replica: int | None = None
+    core_group: str = "pdserve"
     gpu_memory_utilization: float = 0.9
     served_model_name: str | None = None
     sim: SimSpec | None = None
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def resolve(self) -> EngineSettings:
+        """Called once per replica, in it: with `cores_per_replica` it claims the replica's
+        cores for the life of its process."""
         device = detect_device() if self.device == "auto" else self.device
+        cores = self.cpu_cores if device == "cpu" else None
+        if cores and self.cores_per_replica:
+            cores = claim_cores(cores, self.cores_per_replica, self.core_group)
         return EngineSettings(
             model=resolve_model(self.model),
             device=device,
@@ -168,7 +178,7 @@ class EngineSpec:
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             seed=self.seed,
-            cpu_cores=self.cpu_cores if device == "cpu" else None,
+            cpu_cores=cores,
             gpu_memory_utilization=self.gpu_memory_utilization,
             served_model_name=self.served_model_name,
             sim=self.sim,

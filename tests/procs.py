@@ -93,3 +93,28 @@ def children_named(pid: int, needle: str) -> list[int]:
                 if needle in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"):
                     found.append(child)
     return found
+
+
+def _cores(spec: str) -> set[int]:
+    """A cpulist ("0", "0-3", "0,2-3") as a set."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        cores.update(range(int(low), int(high or low) + 1))
+    return cores
+
+
+def pinned_cores(pids: Iterable[int]) -> set[int]:
+    """The cores the threads of `pids` are bound to one each (a thread allowed a single core:
+    how vLLM's CPU worker binds its OpenMP threads); threads allowed more are left out."""
+    found: set[int] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    for line in (task / "status").read_text().splitlines():
+                        if line.startswith("Cpus_allowed_list:"):
+                            cores = _cores(line.split(":", 1)[1].strip())
+                            if len(cores) == 1:
+                                found |= cores
+    return found

@@ -367,6 +367,22 @@ def replica_actor(app: str, deployment: str, worker_id: str) -> Any:
     return ray.get_actor(name, namespace="serve")
 
 
+def replica_actors(app: str, deployment: str) -> dict[str, Any]:
+    """Each live replica actor of `deployment`, by its engine's worker id ("decode-x1y2z3")."""
+    import ray
+
+    from prefill_workers.replica import pool_worker_id
+
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    return {
+        pool_worker_id(deployment.lower(), a["name"].removeprefix(prefix)): ray.get_actor(
+            a["name"], namespace="serve"
+        )
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(prefix)
+    }
+
+
 def replica_pid(actor: Any) -> int:
     """The PID of the Serve replica `actor`'s own process."""
     import os

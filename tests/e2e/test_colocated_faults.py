@@ -4,7 +4,8 @@ killed at its first tokens; the client's one stream goes on from the other repli
 plus the tokens delivered start again there, router/lifecycle.py) with the uninterrupted run's
 tokens.
 
-The module's own app: it kills an engine, so no other module's requests meet the dead one."""
+The module's own app: it kills an engine, so no other module's requests meet the dead one. Its
+two replicas share cores 0 and 1, one each (`cores_per_replica`): checked first."""
 
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ from tests.e2e.conftest import (
     engine_core_pid,
     on_host,
     replica_actor,
+    replica_actors,
+    replica_pid,
 )
 from tests.e2e.metrics import wait_metric_at_least
+from tests.procs import descendants, pinned_cores
 
 pytestmark = pytest.mark.engine
 
@@ -54,7 +58,8 @@ def colocated_pair(serve_proxy: ServeProxy) -> Iterator[ServedApp]:
                 "min_replicas": 2,
                 "max_replicas": 2,
                 "num_cpus": 0.25,
-                "cpu_cores": [1],
+                "cpu_cores": [0, 1],
+                "cores_per_replica": 1,
                 "resources": on_host("c"),
             },
             "router": {"default_max_tokens": 16, "resources": on_host("b")},
@@ -65,6 +70,15 @@ def colocated_pair(serve_proxy: ServeProxy) -> Iterator[ServedApp]:
     wait_serving(APP, APP_TIMEOUT_S)
     yield ServedApp("colocated-pair", config, serve_proxy.grpc_target, serve_proxy.http_port)
     serve.delete(APP)
+
+
+def test_each_replica_computes_on_a_core_of_its_own(colocated_pair: ServedApp) -> None:
+    """The pool's cores [0, 1], one per replica (`cores_per_replica`, engine/cores.py): the
+    engine threads under each replica are bound to its own core, not both to both."""
+    actors = replica_actors(APP, "Engine")
+    assert len(actors) == 2, actors
+    bound = {worker: pinned_cores(descendants([replica_pid(a)])) for worker, a in actors.items()}
+    assert sorted(map(sorted, bound.values())) == [[0], [1]], bound
 
 
 def test_a_stream_whose_engine_dies_goes_on_on_the_other_replica(

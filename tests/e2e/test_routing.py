@@ -58,6 +58,7 @@ from tests.e2e.conftest import (
     deployed,
     engine_core_pid,
     on_host,
+    replica_actors,
     replica_pid,
     replica_states,
     wait_for,
@@ -437,22 +438,6 @@ def _assert_as_uninterrupted(streams: list[Stream], reference: list[list[int]]) 
 # --- the replicas, as Ray and Serve know them -------------------------------------------------
 
 
-def _replica_actors(app: str, deployment: str) -> dict[str, Any]:
-    """Each live replica actor of `deployment`, by its engine's worker id ("decode-x1y2z3")."""
-    import ray
-
-    from prefill_workers.replica import pool_worker_id
-
-    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
-    return {
-        pool_worker_id(deployment.lower(), a["name"].removeprefix(prefix)): ray.get_actor(
-            a["name"], namespace="serve"
-        )
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith(prefix)
-    }
-
-
 def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
@@ -503,8 +488,8 @@ def test_a_role_flip_swaps_the_pools_calls_without_a_restart(
             return [collect(client.generate(p, max_tokens=8, ignore_eos=True)) for p in prompts]
 
     actors = {
-        **_replica_actors(route_app.name, "Prefill"),
-        **_replica_actors(route_app.name, "Decode"),
+        **replica_actors(route_app.name, "Prefill"),
+        **replica_actors(route_app.name, "Decode"),
     }
     prefills = sorted(w for w in actors if pool_of(w) == "prefill")
     decodes = sorted(w for w in actors if pool_of(w) == "decode")
@@ -554,7 +539,7 @@ def test_a_decode_replica_process_killed_mid_stream_loses_no_token(route_app: Se
     decode replica and goes on, and all 8 end with the uninterrupted run's tokens."""
     prompts, reference = _decode_drill(route_app)
     errors_before = settled_metric("pdserve_requests_total", app=route_app.name, outcome="error")
-    actors = _replica_actors(route_app.name, "Decode")
+    actors = replica_actors(route_app.name, "Decode")
     assert len(actors) == 2, actors
     run = Streams(route_app, prompts, DECODE_OPTIONS)
     run.wait_until(
@@ -585,7 +570,7 @@ def test_a_prefill_replica_killed_mid_prefill_loses_no_request(route_app: Served
 
     prompts = _prompts("A prefill replica dies", 25)
     reference = _uninterrupted(route_app, prompts, PREFILL_OPTIONS)
-    actors = _replica_actors(route_app.name, "Prefill")
+    actors = replica_actors(route_app.name, "Prefill")
     assert len(actors) == 2, actors
     run = Streams(route_app, prompts, PREFILL_OPTIONS)
     victim, pending = "", 0
@@ -618,7 +603,7 @@ def test_a_decode_engine_core_killed_mid_stream_loses_no_token(route_app: Served
     print(f"\n{route_app.key}: both pools whole again {recovered:.0f} s after the last test")
     prompts, reference = _decode_drill(route_app)
     migrations_before = settled_metric("pdserve_migrations_total", app=route_app.name)
-    actors = _replica_actors(route_app.name, "Decode")
+    actors = replica_actors(route_app.name, "Decode")
     run = Streams(route_app, prompts, DECODE_OPTIONS)
     run.wait_until(
         "every stream to be decoding", lambda ss: all(len(s.tokens) >= 8 for s in ss), 120
@@ -695,7 +680,7 @@ def test_after_the_faults_no_kv_block_or_lease_is_held(route_app: ServedApp) -> 
     held: dict[str, bool] = {}
     deadline = time.monotonic() + 60
     for deployment in ("Prefill", "Decode"):
-        workers = list(_replica_actors(route_app.name, deployment))
+        workers = list(replica_actors(route_app.name, deployment))
         handle = serve.get_deployment_handle(deployment, route_app.name)
         for worker in workers:
             others = [w for w in workers if w != worker]
@@ -743,7 +728,7 @@ def test_with_every_prefill_engine_dead_a_decode_replica_prefills_for_itself(
     ok_before = settled_metric("pdserve_requests_total", app=APP, outcome="ok")
     with route_app.client() as client:
         reference = collect(client.generate(prompt, **options))
-        actors = _replica_actors(APP, "Prefill")
+        actors = replica_actors(APP, "Prefill")
         assert len(actors) == 2, actors
         for actor in actors.values():
             os.kill(engine_core_pid(actor), signal.SIGKILL)

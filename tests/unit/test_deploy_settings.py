@@ -4,6 +4,7 @@ config tree, and the records carry what the config says."""
 from __future__ import annotations
 
 import pickle
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ def test_each_pool_gets_its_engine_cores_transfer_and_window() -> None:
     config = make_config()
     prefill, decode = replica_settings(config, "prefill"), replica_settings(config, "decode")
     assert prefill.engine == EngineSpec(
-        model="tiny", device="cpu", max_model_len=1024, cpu_cores=(0,)
+        model="tiny", device="cpu", max_model_len=1024, cpu_cores=(0,), core_group="demo.prefill"
     )
     assert decode.engine.cpu_cores == (1,)
     assert prefill.transfer == decode.transfer
@@ -120,3 +121,12 @@ def test_engine_spec_resolves_a_folder_on_the_serving_node(tmp_path: Path) -> No
     gpu = EngineSpec(model=str(tmp_path), device="cuda", block_size=None, cpu_cores=(3,))
     resolved = gpu.resolve()
     assert resolved.cpu_cores is None and resolved.kv_cache_memory_bytes is None
+    # Two replicas of a pool with a core each (engine/cores.py): each resolves to its own.
+    sliced = EngineSpec(
+        model=str(tmp_path),
+        device="cpu",
+        cpu_cores=(0, 1),
+        cores_per_replica=1,
+        core_group=f"test-{uuid.uuid4().hex}.decode",
+    )
+    assert {sliced.resolve().cpu_cores, sliced.resolve().cpu_cores} == {(0,), (1,)}

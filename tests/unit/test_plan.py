@@ -199,6 +199,24 @@ def test_topology_auto_becomes_the_configuration_the_plan_picks(tmp_path: Path) 
     assert config.topology == "colocated"
     assert config.colocated.num_replicas == 2 and config.colocated.max_replicas >= 2
     assert set(config.pools) == {"engine"}
+    assert config.colocated.cores_per_replica is None  # no cores named: nothing to slice
+
+
+def test_topology_auto_gives_each_planned_engine_its_own_cores(tmp_path: Path) -> None:
+    """The plan models two engines; a pool of two cores starts two replicas of one core each,
+    not two on both (the measured gap of docs/benchmarks.md)."""
+    data = _auto_config(tmp_path, long_prompts=False).model_dump()
+    data["colocated"]["cpu_cores"] = [0, 1]
+    config, chosen = resolve_auto(AppConfig.model_validate(data))
+    assert chosen is not None and chosen.best.candidate.name == "colocated x2"
+    assert (config.colocated.num_replicas, config.colocated.cores_per_replica) == (2, 1)
+    # What the config says wins; one core cannot be sliced for two.
+    data["colocated"]["cores_per_replica"] = 2
+    config, _ = resolve_auto(AppConfig.model_validate(data))
+    assert config.colocated.cores_per_replica == 2
+    data["colocated"].update(cpu_cores=[0], cores_per_replica=None)
+    config, _ = resolve_auto(AppConfig.model_validate(data))
+    assert config.colocated.cores_per_replica is None
 
 
 def test_other_topologies_pass_unplanned_and_bad_plan_fields_are_named() -> None:
