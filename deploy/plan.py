@@ -18,7 +18,9 @@ requests meet both the TTFT and the TPOT SLO (DistServe's definition), found by 
 over one seeded trace whose arrival gaps scale with the rate (30 s of arrivals per run). What
 the model leaves out: pdserve's own hops (a few ms each, docs/benchmarks.md), routing on stale
 loads, and engines sharing CPU cores; so a split must predict `min_gain` times colocated's
-goodput to be picked.
+goodput to be picked. Every engine is one of the profile's: one engine on several cores (which
+on this machine served chat faster than two of one core each, docs/benchmarks.md) is not a
+candidate.
 """
 
 from __future__ import annotations
