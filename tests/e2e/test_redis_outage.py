@@ -39,11 +39,14 @@ NUM_WORKERS = 3
 
 @dataclass
 class Phase:
-    ttfts: list[float] = field(default_factory=list)
+    # Each request's (start, perf_counter; TTFT s).
+    requests: list[tuple[float, float]] = field(default_factory=list)
     errors: list[BaseException] = field(default_factory=list)
-    # (when the request started, perf_counter; its TTFT), for the report of the slowest
-    started: list[tuple[float, float]] = field(default_factory=list)
     began_at: float | None = None
+
+    @property
+    def ttfts(self) -> list[float]:
+        return [ttft for _, ttft in self.requests]
 
     def p95(self) -> float:
         return statistics.quantiles(self.ttfts, n=20)[-1]
@@ -51,7 +54,7 @@ class Phase:
     def slowest(self, n: int = 4) -> list[str]:
         """The `n` slowest requests: "TTFT s at +seconds into the phase"."""
         began = self.began_at if self.began_at is not None else 0.0
-        ranked = sorted(self.started, key=lambda item: -item[1])[:n]
+        ranked = sorted(self.requests, key=lambda item: -item[1])[:n]
         return [f"{ttft:.3f} s at +{at - began:.1f} s" for at, ttft in ranked]
 
 
@@ -107,8 +110,7 @@ async def _load(
                     if ttft is None and chunk.token_ids:
                         ttft = time.perf_counter() - started
                 assert ttft is not None, "a stream without tokens"
-                current.ttfts.append(ttft)
-                current.started.append((started, ttft))
+                current.requests.append((started, ttft))
             except Exception as exc:  # counted, and the load goes on
                 current.errors.append(exc)
 
