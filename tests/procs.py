@@ -1,11 +1,16 @@
 """Independent views of processes and sockets, straight from /proc, for leak checks that must
 not reuse the code they check (`pdserve down` finds its processes by an environment marker;
-these follow parent links and socket inodes instead)."""
+these follow parent links and socket inodes instead), and `run_pdserve`, which runs the CLI and,
+when it hangs, says where."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -118,3 +123,46 @@ def pinned_cores(pids: Iterable[int]) -> set[int]:
                             if len(cores) == 1:
                                 found |= cores
     return found
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_pdserve(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """`python -m pdserve_cli ARGS` from the repository root. Past `timeout_s` the assertion says
+    where the command was: its kernel state and wait channel, then every thread's Python stack
+    (faulthandler, on SIGABRT), before it is killed."""
+    command = [sys.executable, "-X", "faulthandler", "-m", "pdserve_cli", *args]
+    started = time.monotonic()
+    with subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kernel = _kernel_state(proc.pid)
+            proc.send_signal(signal.SIGABRT)
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            raise AssertionError(
+                f"`pdserve {' '.join(args)}` still running after {time.monotonic() - started:.1f} s"
+                f" ({kernel}); stdout: {out!r}; stderr, with its stacks:\n{err[-6000:]}"
+            ) from None
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _kernel_state(pid: int) -> str:
+    """State, wait channel and CPU seconds of `pid` and its threads, from /proc."""
+    parts = []
+    with contextlib.suppress(OSError):
+        for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda p: int(p.name)):
+            with contextlib.suppress(OSError):
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                ticks = os.sysconf("SC_CLK_TCK")
+                cpu_s = (int(fields[11]) + int(fields[12])) / ticks
+                wchan = (task / "wchan").read_text().strip() or "-"
+                parts.append(f"thread {task.name} {fields[0]} in {wchan}, {cpu_s:.2f} cpu-s")
+    return "; ".join(parts) or "gone"

@@ -8,8 +8,6 @@ compete for the two cores)."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from control.redis_server import RedisServer
 from control.sync_store import SyncControlStore
 from deploy.config import AppConfig
 from tests.e2e.conftest import ServedApp, ServeProxy, replica_states, wait_for
+from tests.procs import run_pdserve
 
 pytestmark = pytest.mark.engine
 
@@ -84,10 +83,7 @@ def _has_target(url: str, pool: str, target: int) -> bool:
 
 
 def _cli(url: str, *args: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-m", "pdserve_cli", *args, "--redis-url", url, "--app", APP],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    proc = run_pdserve(*args, "--redis-url", url, "--app", APP)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 

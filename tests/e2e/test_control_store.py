@@ -420,6 +420,27 @@ async def test_a_restarted_redis_answers_the_first_call_after_it(tmp_path: Path)
         await store.close()
 
 
+def test_a_restarted_redis_answers_the_autoscalers_first_read_after_it(tmp_path: Path) -> None:
+    """The same for the sync store the autoscaling policies read each tick: its pool checks a
+    pooled connection before use (redis-py's sync `get_connection`), so with no retry of its
+    own the first read after a restart is served on a new connection; with the server gone a
+    read fails at once."""
+    server = start_redis_server(tmp_path, persist=True)
+    store = SyncControlStore.connect(server.url, "demo")
+    try:
+        store.pin("decode", 3)  # the pool now holds a connection
+        server = restart_redis_server(server)
+        assert store.pool_settings("decode").pin == 3
+        server.stop()
+        started = time.perf_counter()
+        with pytest.raises(redis.exceptions.ConnectionError):
+            store.pool_settings("decode")
+        assert time.perf_counter() - started < 0.1
+    finally:
+        server.stop()
+        store.close()
+
+
 async def test_api_key_limits_stay_fast_while_redis_is_silent(tmp_path: Path) -> None:
     """Per-key limits in Redis (router/key_limits.py) while the server is frozen (SIGSTOP):
     each acquire gives up at its 100 ms bound and serves the request without limits; after

@@ -30,13 +30,11 @@ import collections
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -71,6 +69,7 @@ from tests.e2e.metrics import (
     wait_metric_at_least,
 )
 from tests.hosts import Hosts
+from tests.procs import run_pdserve
 
 pytestmark = pytest.mark.engine
 
@@ -278,12 +277,7 @@ async def test_a_broken_transfer_is_counted_and_shown(
 def _status(redis_server: RedisServer) -> subprocess.CompletedProcess[str]:
     deadline = time.monotonic() + 30
     while True:  # the replica publishes its counters on the next routing-stats period
-        done = subprocess.run(
-            [sys.executable, "-m", "pdserve_cli", "status", "--redis-url", redis_server.url,
-             "--app", APP],
-            capture_output=True, text=True, timeout=60, check=False,
-            cwd=Path(__file__).resolve().parents[2],
-        )  # fmt: skip
+        done = run_pdserve("status", "--redis-url", redis_server.url, "--app", APP)
         if "WARNING" in done.stdout or time.monotonic() > deadline:
             return done
         time.sleep(1)
@@ -499,11 +493,9 @@ def test_a_role_flip_swaps_the_pools_calls_without_a_restart(
     flips = []
     with SyncControlStore.connect(redis_server.url, route_app.name) as store:
         try:
-            cli = subprocess.run(
-                [sys.executable, "-m", "pdserve_cli", "role", prefills[0], "decode",
-                 "--redis-url", redis_server.url, "--app", route_app.name],
-                capture_output=True, text=True, timeout=60, check=False,
-                cwd=Path(__file__).resolve().parents[2],
+            cli = run_pdserve(
+                "role", prefills[0], "decode", "--redis-url", redis_server.url,
+                "--app", route_app.name,
             )  # fmt: skip
             assert cli.returncode == 0, cli.stderr
             assert f"{prefills[0]} takes decode calls" in cli.stdout
