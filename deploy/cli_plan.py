@@ -19,6 +19,13 @@ def add_plan_command(commands: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--engines", type=int, help="engines to split (default: the config's prefill + decode)"
     )
+    plan.add_argument(
+        "--wider",
+        action="append",
+        type=_width_profile,
+        metavar="N=PROFILE",
+        help="also weigh engines N cores (GPUs) wide, timed by PROFILE (repeatable)",
+    )
     plan.add_argument("--attainment", type=float, help="share meeting the SLOs (default 0.9)")
     plan.add_argument(
         "--min-gain", type=float, help="a split's goodput over colocated's to pick it (1.1)"
@@ -47,6 +54,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "min_gain": args.min_gain,
         "ttft_s": args.ttft,
         "tpot_s": args.tpot,
+        "wider_engines": dict(args.wider) if args.wider else None,
     }
     data["plan"] |= {k: v for k, v in given.items() if v is not None}
     config = AppConfig.model_validate(data)
@@ -57,3 +65,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(format_plan(result))
     return 0
+
+
+def _width_profile(text: str) -> tuple[int, str]:
+    width, sep, profile = text.partition("=")
+    if not sep or not width.strip().isdigit() or not profile.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected N=PROFILE (e.g. 2=cpu-smollm2-2c-fit), got {text!r}"
+        )
+    return int(width), profile.strip()

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from autoscaling.config import DEFAULT_CONFIG, AutoscalingConfig
 from control.records import PoolSLO
@@ -342,6 +342,12 @@ class PlanConfig(_Strict):
         "engine.sim profile, else cpu-smollm2 (this repository's CPU measurement)",
     )
     link: str | None = Field(None, description="KV link of the prediction; None: the profile's")
+    wider_engines: dict[int, str] = Field(
+        default_factory=dict,
+        description="engines of n cores (GPUs) each, n -> the sim profile measured on one (e.g. "
+        "{2: cpu-smollm2-2c-fit}): the planner also weighs engines // n of them against "
+        "`engines` of `profile`'s",
+    )
     engines: int | None = Field(
         None,
         ge=1,
@@ -360,6 +366,13 @@ class PlanConfig(_Strict):
         "its predicted goodput is this many times colocated's: the model leaves out the hops "
         "and the shared cores a split pays for",
     )
+
+    @field_validator("wider_engines")
+    @classmethod
+    def _widths_past_one(cls, value: dict[int, str]) -> dict[int, str]:
+        if narrow := sorted(n for n in value if n < 2):
+            raise ValueError(f"widths must be at least 2 (width 1 is `profile`), got {narrow}")
+        return value
 
 
 class ControlConfig(_Strict):

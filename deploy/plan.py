@@ -18,9 +18,9 @@ requests meet both the TTFT and the TPOT SLO (DistServe's definition), found by 
 over one seeded trace whose arrival gaps scale with the rate (30 s of arrivals per run). What
 the model leaves out: pdserve's own hops (a few ms each, docs/benchmarks.md), routing on stale
 loads, and engines sharing CPU cores; so a split must predict `min_gain` times colocated's
-goodput to be picked. Every engine is one of the profile's: one engine on several cores (which
-on this machine served chat faster than two of one core each, docs/benchmarks.md) is not a
-candidate.
+goodput to be picked. Every engine is one of the profile's, unless the plan names wider
+engines (`plan.wider_engines`: n -> a profile measured on an engine of n cores or GPUs): then
+each candidate is also weighed on N // n engines that wide, each timed by its own profile.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -70,20 +70,25 @@ class Candidate:
     kind: Kind
     num_prefill: int  # engines prefilling (0 when colocated)
     num_decode: int  # engines decoding (all of them when colocated)
+    # Cores (GPUs) each engine computes on, in units of the plan's base profile: 1 is an
+    # engine of `plan.profile`; n, one of `plan.wider_engines[n]`.
+    width: int = 1
 
     @property
     def name(self) -> str:
         if self.kind == "colocated":
-            return f"colocated x{self.num_decode}"
-        return f"{self.kind} {self.num_prefill}:{self.num_decode}"
+            name = f"colocated x{self.num_decode}"
+        else:
+            name = f"{self.kind} {self.num_prefill}:{self.num_decode}"
+        return name if self.width == 1 else f"{name} ({self.width}-wide)"
 
 
-def candidates(num_engines: int) -> list[Candidate]:
+def candidates(num_engines: int, width: int = 1) -> list[Candidate]:
     if num_engines < 1:
         raise ValueError(f"engines must be >= 1, got {num_engines}")
-    found = [Candidate("colocated", 0, num_engines)]
+    found = [Candidate("colocated", 0, num_engines, width)]
     for kind in ("disaggregated", "adaptive"):
-        found += [Candidate(kind, p, num_engines - p) for p in range(1, num_engines)]
+        found += [Candidate(kind, p, num_engines - p, width) for p in range(1, num_engines)]
     return found
 
 
@@ -150,12 +155,15 @@ class Plan:
     ttft_slo_s: float
     tpot_slo_s: float
     attainment: float
-    results: tuple[CandidatePlan, ...]  # colocated first
+    results: tuple[CandidatePlan, ...]  # colocated first, then by width
     min_gain: float = 1.0
 
     @property
     def colocated(self) -> CandidatePlan:
-        return self.results[0]
+        """The colocated candidate of the highest goodput (of each width there is one); ties
+        go to the narrower engines."""
+        return max((r for r in self.results if r.candidate.kind == "colocated"),
+                   key=lambda r: r.goodput)  # fmt: skip
 
     @property
     def highest(self) -> CandidatePlan:
@@ -201,7 +209,7 @@ def format_plan(result: Plan) -> str:
         f"{result.profile}: goodput = the highest Poisson rate at which "
         f"{result.attainment:.0%} of requests meet TTFT {result.ttft_slo_s:g} s and TPOT "
         f"{result.tpot_slo_s:g} s",
-        f"{'candidate':<20} {'goodput req/s':>13} {'TTFT P90 s':>10} {'TPOT P90 s':>10} "
+        f"{'candidate':<26} {'goodput req/s':>13} {'TTFT P90 s':>10} {'TPOT P90 s':>10} "
         f"{'local:remote':>12}",
     ]
     for r in result.results:
@@ -209,7 +217,7 @@ def format_plan(result: Plan) -> str:
         ttft = f"{at.ttft_p90_s:.3f}" if at else "-"
         tpot = f"{at.tpot_p90_s:.4f}" if at else "-"
         split = f"{at.num_local}:{at.num_remote}" if at and r.candidate.kind == "adaptive" else ""
-        lines.append(f"{r.candidate.name:<20} {r.goodput:>13.3f} {ttft:>10} {tpot:>10} {split:>12}")
+        lines.append(f"{r.candidate.name:<26} {r.goodput:>13.3f} {ttft:>10} {tpot:>10} {split:>12}")
     lines.append(f"pick: {result.reason()}")
     return "\n".join(lines)
 
@@ -223,16 +231,26 @@ def plan(
     attainment: float = 0.9,
     trace: Trace | None = None,
     min_gain: float = 1.0,
+    wider: Mapping[int, SimProfile] | None = None,
 ) -> Plan:
-    """Every candidate's goodput for `workload` (its SLO) on `num_engines` engines; a split is
-    picked over colocated only for `min_gain` times its goodput."""
+    """Every candidate's goodput for `workload` (its SLO) on `num_engines` engines of
+    `profile`, then, for each width n of `wider`, on num_engines // n engines of n times the
+    cores (GPUs) each, timed by wider[n]. A split is picked over the best colocated candidate
+    only for `min_gain` times its goodput."""
     if not 0 < attainment <= 1:
         raise ValueError(f"attainment must be in (0, 1], got {attainment}")
-    if not any(vars(profile.step).values()):
-        raise ValueError(
-            f"sim profile {profile.name}: its steps take no time, so every rate meets any SLO "
-            "(it measures pdserve's own costs, not engines'): plan with a measured profile"
-        )
+    sized = {1: profile, **(wider or {})}
+    for width, each in sized.items():
+        if width < 1 or num_engines // width < 1:
+            raise ValueError(
+                f"an engine {width} wide does not fit {num_engines} engines' cores (GPUs)"
+            )
+        if not any(vars(each.step).values()):
+            raise ValueError(
+                f"sim profile {each.name}: its steps take no time, so every rate meets any "
+                "SLO (it measures pdserve's own costs, not engines'): plan with a measured "
+                "profile"
+            )
     trace = trace or Trace.of(workload)
     longest = max(p + o for p, o in trace.lengths)
     if longest > shape.max_model_len:
@@ -243,9 +261,12 @@ def plan(
     slo = workload.slo
     results = [
         _goodput(
-            AppModel(candidate, profile, link, shape, slo.ttft_s, slo.tpot_s), trace, attainment
+            AppModel(candidate, sized[width], link, shape, slo.ttft_s, slo.tpot_s),
+            trace,
+            attainment,
         )
-        for candidate in candidates(num_engines)
+        for width in sorted(sized)
+        for candidate in candidates(num_engines // width, width)
     ]
     return Plan(
         workload.name,
@@ -281,8 +302,17 @@ def plan_for(config: AppConfig, workload: Workload | None = None) -> Plan:
         )
     engines = spec.engines or config.prefill.num_replicas + config.decode.num_replicas
     trace = Trace.of(workload, seed=spec.seed)
+    wider = {width: load_profile(name) for width, name in spec.wider_engines.items()}
     return plan(
-        workload, profile, link, engines, shape, spec.attainment, trace, min_gain=spec.min_gain
+        workload,
+        profile,
+        link,
+        engines,
+        shape,
+        spec.attainment,
+        trace,
+        min_gain=spec.min_gain,
+        wider=wider,
     )
 
 
@@ -297,26 +327,32 @@ def resolve_auto(config: AppConfig) -> tuple[AppConfig, Plan | None]:
     data = config.model_dump()
     if best.kind == "colocated":
         data["topology"] = "colocated"
-        _start_with(data["colocated"], best.num_decode)
+        _start_with(data["colocated"], best.num_decode, best.width)
     else:
         data["topology"] = "disaggregated"
-        _start_with(data["prefill"], best.num_prefill)
-        _start_with(data["decode"], best.num_decode)
+        _start_with(data["prefill"], best.num_prefill, best.width)
+        _start_with(data["decode"], best.num_decode, best.width)
         data["router"]["adaptive_prefill"] = best.kind == "adaptive"
         if best.kind == "adaptive":
             data["router"]["local_prefill_max_tokens"] = 0
     return AppConfig.model_validate(data), result
 
 
-def _start_with(pool: dict[str, Any], num_replicas: int) -> None:
-    """The pool starts with `num_replicas`. The plan modelled each as an engine of its own: on
-    a pool with at least that many `cpu_cores`, each replica gets a slice of them (unless the
-    config already says how many per replica), not every replica all of them."""
+def _start_with(pool: dict[str, Any], num_replicas: int, width: int) -> None:
+    """The pool starts with `num_replicas`. The plan modelled each as an engine of its own, of
+    `width` cores: on a pool with at least that many `cpu_cores` for each, each replica gets a
+    slice of them (unless the config already says how many per replica), not every replica
+    all of them. A width-1 plan of one engine keeps all the pool's cores (the default
+    profile's engine; a plan that weighs wider engines says which it means)."""
     pool["num_replicas"] = num_replicas
     pool["min_replicas"] = min(pool["min_replicas"], num_replicas)
     pool["max_replicas"] = max(pool["max_replicas"], num_replicas)
     cores = pool.get("cpu_cores")
-    if cores and pool.get("cores_per_replica") is None and 2 <= num_replicas <= len(cores):
+    if not cores or pool.get("cores_per_replica") is not None:
+        return
+    if width > 1 and num_replicas * width <= len(cores):
+        pool["cores_per_replica"] = width
+    elif width == 1 and 2 <= num_replicas <= len(cores):
         pool["cores_per_replica"] = len(cores) // num_replicas
 
 

@@ -50,6 +50,13 @@ def test_plan_prints_each_candidate_and_the_pick(capsys: pytest.CaptureFixture[s
     assert main(["plan", "--workload", "chat"]) == 0
     text = capsys.readouterr().out
     assert "colocated x2" in text and "adaptive 1:1" in text and "\npick: " in text
+    wide = ["plan", "--workload", "chat", "--wider", "2=cpu-smollm2-2c-fit", "--json"]
+    assert main(wide) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [r["candidate"]["width"] for r in shown["results"]] == [1, 1, 1, 2]
+    with pytest.raises(SystemExit):
+        main(["plan", "--wider", "two=cpu-smollm2-2c-fit"])
+    assert "expected N=PROFILE" in capsys.readouterr().err
 
 
 def test_keys_new_prints_a_key_and_only_its_hash_for_the_file(

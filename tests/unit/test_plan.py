@@ -103,6 +103,10 @@ def test_candidates_for_n_engines() -> None:
         "adaptive 2:1",
     ]
     assert [c.name for c in candidates(1)] == ["colocated x1"]
+    assert [c.name for c in candidates(2, width=2)][:2] == [
+        "colocated x2 (2-wide)",
+        "disaggregated 1:1 (2-wide)",
+    ]
     with pytest.raises(ValueError, match="engines"):
         candidates(0)
 
@@ -248,3 +252,44 @@ def test_the_plan_section_s_slo_replaces_the_workload_s() -> None:
     assert (plan_for(one).ttft_slo_s, plan_for(one).tpot_slo_s) == (1.5, 0.3)  # chat's TTFT
     with pytest.raises(ValueError, match=r"plan\.tpot_s"):
         AppConfig.model_validate({"topology": "auto", "plan": {"tpot_s": 0}})
+
+
+def test_wider_engines_are_weighed_and_the_pick_gets_their_cores(tmp_path: Path) -> None:
+    """`plan.wider_engines`: beside two engines of the one-core fit, one engine on two cores,
+    timed by its own fit (decode step 35 against 52 ms at one sequence). At a 45 ms TPOT only
+    the wide engine meets the SLO; it is picked and its replica gets both cores."""
+    path = tmp_path / "workload.yaml"
+    spec = workload((64, 192), (32, 96), ttft=2.0, tpot=0.045)
+    path.write_text(yaml.safe_dump(json.loads(spec.model_dump_json(exclude_none=True))))
+    data = {
+        "topology": "auto",
+        "engine": {"kv_cache_memory_bytes": 512 * 1024**2, "max_model_len": 4096},
+        "plan": {
+            "workload": str(path),
+            "profile": "cpu-smollm2-fit",
+            "wider_engines": {2: "cpu-smollm2-2c-fit"},
+        },
+        "colocated": {"cpu_cores": [0, 1]},
+    }
+    config, chosen = resolve_auto(AppConfig.model_validate(data))
+    assert chosen is not None
+    names = [r.candidate.name for r in chosen.results]
+    assert names == [
+        "colocated x2",
+        "disaggregated 1:1",
+        "adaptive 1:1",
+        "colocated x1 (2-wide)",
+    ]
+    goodput = {r.candidate.name: r.goodput for r in chosen.results}
+    assert goodput["colocated x2"] == 0 and goodput["colocated x1 (2-wide)"] > 0.5, goodput
+    assert chosen.best.candidate.name == "colocated x1 (2-wide)"
+    assert chosen.colocated is chosen.best  # the baseline a split must beat is the best colocated
+    assert config.topology == "colocated"
+    assert (config.colocated.num_replicas, config.colocated.cores_per_replica) == (1, 2)
+
+    data["plan"]["wider_engines"] = {3: "cpu-smollm2-2c-fit"}
+    with pytest.raises(ValueError, match="an engine 3 wide does not fit 2 engines"):
+        resolve_auto(AppConfig.model_validate(data))
+    data["plan"]["wider_engines"] = {1: "cpu-smollm2-2c-fit"}
+    with pytest.raises(ValueError, match=r"plan\.wider_engines[\s\S]*at least 2"):
+        AppConfig.model_validate(data)
