@@ -4,7 +4,10 @@ with its reason out; the router shell gathers the snapshots and acts on the choi
 Prefill: prefix affinity first (the replica that holds the longest cached prefix skips that
 much compute), unless it is busier than the least-loaded healthy replica by more than
 `max_imbalance_tokens` (a hot prefix must not pile every request onto one replica); then the
-fewest pending prefill tokens.
+fewest pending prefill tokens, then the fewest sequences in the engine. Short prompts finish
+prefilling between two load reports, so pending tokens are mostly 0 on every replica; without
+the sequences a colocated pool sent every such request to the replica of the smallest id
+while the other sat idle (measured: docs/benchmarks.md).
 
 Decode: the healthy replica with the most free KV blocks among those that fit the request, then
 the fewest running sequences. When none fits, the result says whether waiting can help
@@ -32,10 +35,14 @@ class PrefillReplicaState:
     replica_id: str
     num_pending_prefill_tokens: int
     is_healthy: bool = True
+    # Sequences the engine runs or has waiting (a colocated engine's decoding ones too).
+    num_seqs: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_pending_prefill_tokens < 0:
-            raise ValueError(f"num_pending_prefill_tokens must be >= 0 ({self.replica_id})")
+        if self.num_pending_prefill_tokens < 0 or self.num_seqs < 0:
+            raise ValueError(
+                f"num_pending_prefill_tokens and num_seqs must be >= 0 ({self.replica_id})"
+            )
 
 
 @dataclass(frozen=True)
@@ -120,7 +127,9 @@ def choose_prefill_replica(
     if not healthy:
         return PrefillChoice(None, PrefillReason.NO_HEALTHY_REPLICA)
     # Ties go to the smaller id, so every router replica makes the same choice.
-    least = min(healthy.values(), key=lambda r: (r.num_pending_prefill_tokens, r.replica_id))
+    least = min(
+        healthy.values(), key=lambda r: (r.num_pending_prefill_tokens, r.num_seqs, r.replica_id)
+    )
     match = index.longest_prefix_match(prompt_hashes, eligible=healthy.keys())
     if match.replica is not None and match.num_blocks >= config.min_match_blocks:
         affine = healthy[match.replica]

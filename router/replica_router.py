@@ -196,9 +196,10 @@ class SharedPrefixIndex:
 
 class EngineRequestRouter(RequestRouter):
     """Routes the calls of one engine pool's handle by the role each call serves: a prefill
-    call by prefix affinity, then least pending tokens; a decode or generate call by most free
-    KV blocks among the replicas that fit it, then fewest running. After a role flip a pool's
-    handle takes the other pool's calls (router/roles.py), so each pool routes both kinds."""
+    call by prefix affinity, then least pending tokens, then fewest sequences; a decode or
+    generate call by most free KV blocks among the replicas that fit it, then fewest running.
+    After a role flip a pool's handle takes the other pool's calls (router/roles.py), so each
+    pool routes both kinds."""
 
     pool: ClassVar[str]
 
@@ -261,8 +262,13 @@ class EngineRequestRouter(RequestRouter):
         states = []
         for rid in by_id:
             load = loads[rid]
-            pending = load.num_pending_prefill_tokens if load else 0
-            states.append(PrefillReplicaState(replica_id=rid, num_pending_prefill_tokens=pending))
+            states.append(
+                PrefillReplicaState(
+                    replica_id=rid,
+                    num_pending_prefill_tokens=load.num_pending_prefill_tokens if load else 0,
+                    num_seqs=load.num_running + load.num_waiting if load else 0,
+                )
+            )
         hashes = block_hashes(request.prompt_token_ids, self._block_size)
         choice = choose_prefill_replica(states, hashes, await self._lookup(hashes, by_id.keys()))
         if choice.replica_id is not None and hashes:
@@ -318,7 +324,7 @@ class DecodeRequestRouter(EngineRequestRouter):
 
 class ColocatedRequestRouter(EngineRequestRouter):
     """The colocated pool: every call is a whole request, routed as a prefill (prefix
-    affinity, then least pending tokens); no roles."""
+    affinity, then least pending tokens, then fewest sequences); no roles."""
 
     pool = "engine"
 

@@ -25,8 +25,10 @@ HASHES = block_hashes(PROMPT, BLOCK)
 CONFIG = PrefillPolicyConfig(min_match_blocks=2, max_imbalance_tokens=1000)
 
 
-def prefill(replica_id: str, pending: int, *, is_healthy: bool = True) -> PrefillReplicaState:
-    return PrefillReplicaState(replica_id, pending, is_healthy)
+def prefill(
+    replica_id: str, pending: int, *, is_healthy: bool = True, seqs: int = 0
+) -> PrefillReplicaState:
+    return PrefillReplicaState(replica_id, pending, is_healthy, num_seqs=seqs)
 
 
 def decode(
@@ -92,6 +94,19 @@ def test_prefill_least_pending_ties_go_to_the_smallest_id() -> None:
     assert choose_prefill_replica(replicas, HASHES, empty) == PrefillChoice(
         "b", PrefillReason.LEAST_PENDING
     )
+
+
+def test_prefill_least_pending_ties_go_to_the_fewest_sequences_first() -> None:
+    """Two colocated engines between load reports: no prompt pending on either, one decoding
+    three streams. The idle one gets the request, whatever the ids."""
+    replicas = [prefill("a", 0, seqs=3), prefill("b", 0, seqs=0)]
+    empty = PrefixIndex(ttl_seconds=60, clock=lambda: 0.0)
+    assert choose_prefill_replica(replicas, HASHES, empty) == PrefillChoice(
+        "b", PrefillReason.LEAST_PENDING
+    )
+    # Pending prompt tokens still come first: a prefill queue delays the first token most.
+    replicas = [prefill("a", 0, seqs=3), prefill("b", 64, seqs=0)]
+    assert choose_prefill_replica(replicas, HASHES, empty).replica_id == "a"
 
 
 def test_prefill_without_a_healthy_replica_says_so() -> None:
