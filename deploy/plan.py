@@ -162,8 +162,8 @@ class Plan:
     def colocated(self) -> CandidatePlan:
         """The colocated candidate of the highest goodput (of each width there is one); ties
         go to the narrower engines."""
-        return max((r for r in self.results if r.candidate.kind == "colocated"),
-                   key=lambda r: r.goodput)  # fmt: skip
+        colocated = (r for r in self.results if r.candidate.kind == "colocated")
+        return max(colocated, key=lambda r: r.goodput)
 
     @property
     def highest(self) -> CandidatePlan:

@@ -157,11 +157,11 @@ def run_pdserve(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProc
 def _kernel_state(pid: int) -> str:
     """State, wait channel and CPU seconds of `pid` and its threads, from /proc."""
     parts = []
+    ticks = os.sysconf("SC_CLK_TCK")
     with contextlib.suppress(OSError):
         for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda p: int(p.name)):
             with contextlib.suppress(OSError):
                 fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                ticks = os.sysconf("SC_CLK_TCK")
                 cpu_s = (int(fields[11]) + int(fields[12])) / ticks
                 wchan = (task / "wchan").read_text().strip() or "-"
                 parts.append(f"thread {task.name} {fields[0]} in {wchan}, {cpu_s:.2f} cpu-s")
