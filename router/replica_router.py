@@ -9,6 +9,8 @@ Prefill: prefix affinity through the prefix index (Redis when the app has a cont
 every router replica shares it, each lookup bounded to 50 ms behind a circuit breaker; this
 router's own records otherwise), then least pending prefill tokens.
 Decode: most free KV blocks among replicas that fit the request, then fewest running.
+Both add to a replica's last report what this router sent it since (router/sent.py): loads come
+once a second, and a burst would otherwise go to one replica.
 Both rank only the replicas that take the call's role now (router/roles.py: role flips), and
 skip a replica whose engine died (its load says `is_healthy: false`) and those a moved
 request already failed on (the call's `avoid` keyword, router/lifecycle.py).
@@ -42,6 +44,7 @@ from router.policy import (
 )
 from router.prefix import BlockHash, MatchResult, PrefixIndex, block_hashes, match_owners
 from router.roles import ROLE_OF_METHOD
+from router.sent import SentSinceReport
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +220,9 @@ class EngineRequestRouter(RequestRouter):
         self._block_size = block_size
         self._prefix_ttl_s = prefix_ttl_s
         self._local_index = PrefixIndex(ttl_seconds=prefix_ttl_s)
+        # Prompt tokens and KV blocks sent since each replica's last load report (router/sent.py).
+        self._sent_tokens = SentSinceReport()
+        self._sent_blocks = SentSinceReport()
         if self.pool == "prefill":
             pool_view.POOL_VIEW.use_prefix_index(self._local_index, block_size)
         if redis_url is None and redis_url_env:
@@ -262,17 +268,21 @@ class EngineRequestRouter(RequestRouter):
         states = []
         for rid in by_id:
             load = loads[rid]
+            tokens, calls = self._sent_tokens.since(rid, load.updated_at if load else None)
             states.append(
                 PrefillReplicaState(
                     replica_id=rid,
-                    num_pending_prefill_tokens=load.num_pending_prefill_tokens if load else 0,
-                    num_seqs=load.num_running + load.num_waiting if load else 0,
+                    num_pending_prefill_tokens=tokens
+                    + (load.num_pending_prefill_tokens if load else 0),
+                    num_seqs=calls + (load.num_running + load.num_waiting if load else 0),
                 )
             )
         hashes = block_hashes(request.prompt_token_ids, self._block_size)
         choice = choose_prefill_replica(states, hashes, await self._lookup(hashes, by_id.keys()))
-        if choice.replica_id is not None and hashes:
-            await self._record(hashes, choice.replica_id)
+        if choice.replica_id is not None:
+            self._sent_tokens.record(choice.replica_id, request.num_prompt_tokens)
+            if hashes:
+                await self._record(hashes, choice.replica_id)
         return _ranked(candidate_replicas, choice.replica_id)
 
     async def _lookup(self, hashes: Sequence[BlockHash], eligible: Collection[str]) -> Any:
@@ -299,18 +309,24 @@ class EngineRequestRouter(RequestRouter):
         ]
         if not reported:
             return [candidate_replicas]
-        states = [
-            DecodeReplicaState(
-                replica_id=replica.replica_id.unique_id,
-                num_free_blocks=min(load.num_total_blocks, load.num_free_blocks),
-                num_total_blocks=load.num_total_blocks,
-                num_running_seqs=load.num_running,
-                num_waiting_seqs=load.num_waiting,
+        states = []
+        for replica, load in reported:
+            rid = replica.replica_id.unique_id
+            blocks, calls = self._sent_blocks.since(rid, load.updated_at)
+            free = min(load.num_total_blocks, load.num_free_blocks)
+            states.append(
+                DecodeReplicaState(
+                    replica_id=rid,
+                    num_free_blocks=max(0, free - blocks),
+                    num_total_blocks=load.num_total_blocks,
+                    num_running_seqs=load.num_running + calls,
+                    num_waiting_seqs=load.num_waiting,
+                )
             )
-            for replica, load in reported
-        ]
         needed = num_blocks_for(request.num_prompt_tokens + 1, self._block_size)
         choice = choose_decode_replica(states, needed)
+        if choice.replica_id is not None:
+            self._sent_blocks.record(choice.replica_id, needed)
         return _ranked(candidate_replicas, choice.replica_id)
 
 
