@@ -29,17 +29,7 @@ from engine.autoscaling_stats import (
     DecodeWindow,
     PrefillWindow,
 )
-
-
-class FakeClock:
-    def __init__(self, now_s: float = 1000.0) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
-
-    def advance(self, seconds: float) -> None:
-        self.now_s += seconds
+from tests.clock import FakeClock
 
 
 def make_prefill_window(clock: FakeClock, window_s: float = 60.0, q: float = 95.0) -> PrefillWindow:

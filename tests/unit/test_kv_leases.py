@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kv_transfer.leases import TOMBSTONE_SECONDS, LeaseTable
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import FakeClock
 
 
 def make_table() -> tuple[LeaseTable[str], FakeClock]:

@@ -12,17 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.prefix import NO_MATCH, MatchResult, PrefixIndex, block_hashes, match_owners
+from tests.clock import FakeClock
 
 BLOCK = 4
 REPO = Path(__file__).resolve().parents[2]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_index(ttl_seconds: float = 60.0) -> tuple[PrefixIndex, FakeClock]:

@@ -3,18 +3,11 @@
 import pytest
 
 from router.sent import SentSinceReport
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import FakeClock
 
 
 def test_sends_after_a_report_count_until_a_newer_report_covers_them() -> None:
-    clock = Clock()
+    clock = FakeClock()
     sent = SentSinceReport(horizon_s=10, clock=clock)
     reported_at = clock.now - 0.5
     sent.record("a", 300)
@@ -30,7 +23,7 @@ def test_sends_after_a_report_count_until_a_newer_report_covers_them() -> None:
 
 
 def test_without_a_report_sends_count_for_the_horizon_only() -> None:
-    clock = Clock()
+    clock = FakeClock()
     sent = SentSinceReport(horizon_s=2, clock=clock)
     sent.record("a", 100)
     clock.now += 1
@@ -41,7 +34,7 @@ def test_without_a_report_sends_count_for_the_horizon_only() -> None:
 
 
 def test_a_replica_sent_nothing_within_the_horizon_is_forgotten() -> None:
-    clock = Clock()
+    clock = FakeClock()
     sent = SentSinceReport(horizon_s=2, clock=clock)
     sent.record("gone", 100)
     clock.now += 3

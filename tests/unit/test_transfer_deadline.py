@@ -7,18 +7,11 @@ from __future__ import annotations
 import pytest
 
 from kv_transfer.nixl_connector import TransferDeadline, bound_reads
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import FakeClock
 
 
 def test_a_read_expires_timeout_after_it_was_first_seen() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     deadline = TransferDeadline(5.0, clock)
     assert deadline.expired(["a"]) == []
     clock.now += 3
@@ -59,7 +52,7 @@ class Worker:
 
 
 def test_an_expired_read_is_failed_and_its_handles_released() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     worker = Worker(stuck=frozenset({3}))
     bound_reads(worker, TransferDeadline(5.0, clock))
     worker._recving_transfers.update({"old": [1, 2], "stuck": [3, 4], "new": [5]})
