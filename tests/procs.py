@@ -140,7 +140,7 @@ def run_pdserve(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProc
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            kernel = _kernel_state(proc.pid)
+            kernel = kernel_state(proc.pid)
             proc.send_signal(signal.SIGABRT)
             try:
                 out, err = proc.communicate(timeout=10)
@@ -154,7 +154,7 @@ def run_pdserve(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
-def _kernel_state(pid: int) -> str:
+def kernel_state(pid: int) -> str:
     """State, wait channel and CPU seconds of `pid` and its threads, from /proc."""
     parts = []
     ticks = os.sysconf("SC_CLK_TCK")

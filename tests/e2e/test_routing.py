@@ -69,7 +69,7 @@ from tests.e2e.metrics import (
     wait_metric_at_least,
 )
 from tests.hosts import Hosts
-from tests.procs import run_pdserve
+from tests.procs import kernel_state, run_pdserve
 
 pytestmark = pytest.mark.engine
 
@@ -388,14 +388,22 @@ def _busiest_decode_replica(streams: list[Stream]) -> tuple[str, int]:
     return collections.Counter(s.decode_replica for s in streams).most_common(1)[0]
 
 
-def _routing_stats_once_unhealthy(actor: Any, within_s: float) -> dict[str, Any]:
+def _routing_stats_once_unhealthy(actor: Any, pid: int, within_s: float) -> dict[str, Any]:
     """The replica's routing stats, asked as Serve asks them, once they say its engine is
-    dead (or the last answer, after `within_s`)."""
+    dead (or the last answer, after `within_s`). A replica (process `pid`) that does not
+    answer within 10 s fails the test with its threads' kernel states: a clean run once saw
+    that, and a module rerun did not."""
     import ray
+    from ray.exceptions import GetTimeoutError
 
     deadline = time.monotonic() + within_s
     while True:
-        stats: dict[str, Any] = ray.get(actor.record_routing_stats.remote(), timeout=10)
+        try:
+            stats: dict[str, Any] = ray.get(actor.record_routing_stats.remote(), timeout=10)
+        except GetTimeoutError as exc:
+            raise AssertionError(
+                f"replica pid {pid} gave no routing stats within 10 s: {kernel_state(pid)}"
+            ) from exc
         if stats["is_healthy"] is False or time.monotonic() > deadline:
             return stats
         time.sleep(0.1)
@@ -603,11 +611,12 @@ def test_a_decode_engine_core_killed_mid_stream_loses_no_token(route_app: Served
         "every stream to be decoding", lambda ss: all(len(s.tokens) >= 8 for s in ss), 120
     )
     victim, num_on_victim = _busiest_decode_replica(run.streams)
+    victim_pid = replica_pid(actors[victim])
     killed_at = time.monotonic()
     _kill(engine_core_pid(actors[victim]))
     # Asked at once: Serve replaces the replica after 3 failed health checks, and once the
     # streams have moved (seconds on a loaded machine) it may already be gone.
-    stats = _routing_stats_once_unhealthy(actors[victim], within_s=5)
+    stats = _routing_stats_once_unhealthy(actors[victim], victim_pid, within_s=5)
     run.wait_until(
         "a stream to move off the dead engine",
         lambda ss: any(victim in s.decode_replicas and s.decode_replica != victim for s in ss),
