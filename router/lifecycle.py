@@ -39,6 +39,12 @@ from engine.messages import (
 
 logger = logging.getLogger(__name__)
 
+# Giving back what a cancelled request holds: a release call waits this long at most, and a
+# prefill that was running when the cancel came this long to finish. Past either, the KV
+# expires with its lease (transfer.lease_seconds); the request's admission slot waits on both.
+RELEASE_TIMEOUT_S = 10.0
+GIVE_BACK_PREFILL_TIMEOUT_S = 60.0
+
 # Restarts of one request after an engine failure before its stream fails.
 DEFAULT_MAX_MIGRATIONS = 2
 # Prefill replicas a request is sent to before a decode replica prefills it itself (sooner when
@@ -284,14 +290,19 @@ async def _one_attempt(
         at.replica = None
         finished = False
         try:
-            async for event in decode.decode(request, result.handoff, avoid):
-                if event.replica_id:
-                    at.replica = event.replica_id
-                if event.finish_reason == "error":
-                    # vLLM's kv_load_failure_policy "fail": the KV never arrived. Not an answer.
-                    raise KVTransferError(f"decode could not load the KV of {request.request_id}")
-                finished = event.finish_reason is not None
-                yield event
+            # Closed with this attempt (client gone): cancels the decode call now, not at GC.
+            events = decode.decode(request, result.handoff, avoid)
+            async with contextlib.aclosing(events) as events:  # type: ignore[type-var]
+                async for event in events:
+                    if event.replica_id:
+                        at.replica = event.replica_id
+                    if event.finish_reason == "error":
+                        # vLLM's kv_load_failure_policy "fail": the KV never arrived.
+                        raise KVTransferError(
+                            f"decode could not load the KV of {request.request_id}"
+                        )
+                    finished = event.finish_reason is not None
+                    yield event
         finally:
             if not finished and decode.release_is_idempotent:
                 await _release(decode, result.handoff)
@@ -301,12 +312,18 @@ async def _one_attempt(
 
 
 async def _release(decode: DecodePort, handoff: KVHandoff) -> None:
-    """Give a handoff back; a failure here (the pool itself failing) leaves the lease to
-    expire, and must not hide the error that brought us here."""
+    """Give a handoff back, waiting RELEASE_TIMEOUT_S at most; a failure here (the pool itself
+    failing, or slow) leaves the lease to expire, and must not hide the error that brought us
+    here."""
     try:
-        await decode.release(handoff)
+        await asyncio.wait_for(decode.release(handoff), RELEASE_TIMEOUT_S)
     except Exception as exc:
-        logger.warning("releasing the KV of %s failed: %s", handoff.request_id, exc)
+        logger.warning(
+            "releasing the KV of %s failed (%s: %s); it expires with its lease",
+            handoff.request_id,
+            type(exc).__name__,
+            exc,
+        )
 
 
 async def _prefill_or_give_back(
@@ -321,8 +338,10 @@ async def _prefill_or_give_back(
     except asyncio.CancelledError:
         await prefill.abort(request.request_id)
         try:
-            result = await task
-        except Exception:  # aborted before the KV was stored: nothing to give back
+            # Bounded: past it the prefill is cancelled, and what it stored expires with its
+            # lease.
+            result = await asyncio.wait_for(task, GIVE_BACK_PREFILL_TIMEOUT_S)
+        except Exception:  # aborted before the KV was stored (or past the bound): none to free
             raise asyncio.CancelledError() from None
-        await decode.release(result.handoff)
+        await _release(decode, result.handoff)
         raise

@@ -138,7 +138,8 @@ class FakeDecode:
     KVTransferError instead of the token of that index (in the first `fail_times` calls; None:
     in all; `names_replica`: a ReplicaFailure naming the replica, as a served replica raises).
     A moved request (its prompt plus the tokens delivered) gets the rest of `text`. Each
-    call's first event names the replica "decode-<call index>".
+    call's first event names the replica "decode-<call index>". `released` lists the handoffs
+    it was asked to release; with `release_gate`, a release answers once the gate opens.
     """
 
     def __init__(
@@ -153,8 +154,10 @@ class FakeDecode:
         fail_times: int | None = None,
         names_replica: bool = False,
         first: str = "W",
+        release_gate: asyncio.Event | None = None,
     ) -> None:
         self.text = text
+        self.release_gate = release_gate
         self.first = first
         self.local: list[GenerationRequest] = []
         self.fail_times = fail_times
@@ -217,6 +220,8 @@ class FakeDecode:
 
     async def release(self, handoff: KVHandoff) -> None:
         self.released.append(handoff)
+        if self.release_gate is not None:  # asked; answers once the gate opens
+            await self.release_gate.wait()
 
 
 class FakeEngines:

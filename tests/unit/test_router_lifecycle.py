@@ -12,6 +12,7 @@ import pytest
 
 from engine.messages import KVTransferError, TokenEvent
 from engine.params import StructuredOutput
+from router import lifecycle
 from router.lifecycle import StreamInterrupted, generate_colocated, generate_disaggregated
 from tests.fakes import FakeColocated, FakeDecode, FakePrefill, ids, make_request
 
@@ -71,6 +72,34 @@ async def test_a_cancel_during_prefill_gives_back_what_prefill_made(
     # A handoff made after the cancel is released once; an aborted prefill made none.
     assert decode.released == prefill.handoffs
     assert len(prefill.handoffs) == (0 if abort_fails_prefill else 1)
+
+
+async def test_a_prefill_still_running_after_a_cancel_is_waited_for_only_so_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(lifecycle, "GIVE_BACK_PREFILL_TIMEOUT_S", 0.05)
+    prefill, decode = FakePrefill(gate=asyncio.Event()), FakeDecode()  # the prefill never ends
+    task = asyncio.ensure_future(collect(generate_disaggregated(prefill, decode, make_request())))
+    await prefill.started.wait()
+    task.cancel()
+    # Bounded: a TimeoutError here is a cancel that waits on the prefill for good.
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+    assert prefill.aborted == ["req-1"]
+    assert prefill.handoffs == [] and decode.released == []
+
+
+async def test_a_release_that_never_answers_holds_a_cancel_only_so_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(lifecycle, "RELEASE_TIMEOUT_S", 0.05)
+    prefill = FakePrefill()
+    decode = FakeDecode("orld", release_is_idempotent=True, release_gate=asyncio.Event())
+    events = generate_disaggregated(prefill, decode, make_request())
+    received = [await anext(events) for _ in range(3)]  # first, decode start, "o"
+    await asyncio.wait_for(events.aclose(), 5)  # the client went away; the release hangs
+    assert tokens(received) == ids("Wo")
+    assert decode.released == prefill.handoffs  # asked once, never answered: the lease expires
 
 
 @pytest.mark.parametrize("stop_after", ["first", "decode_start"])
