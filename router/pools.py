@@ -7,6 +7,7 @@ cancelled explicitly, so the replica's engine aborts the request and frees its K
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
@@ -47,6 +48,24 @@ def _avoiding(avoid: frozenset[str]) -> dict[str, Any]:
     return {"avoid": tuple(sorted(avoid))} if avoid else {}
 
 
+def _unlinked(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`call(*args, **kwargs)`, a handle's `.remote`, as a request of its own rather than a
+    child of the router's request being served. Serve cancels an ingress request's children
+    when that request is cancelled, from the replica's own loop while the handle's calls live
+    on the handle's loop; under many cancels this router's handle stopped assigning calls to a
+    replica for good. The lifecycle cancels its calls itself (`_stream_call`) and gives back a
+    prefill nobody waits for (router/lifecycle.py)."""
+    from ray.serve import context as serve_context
+
+    current = serve_context._get_serve_request_context()
+    own = serve_context._RequestContext(
+        route=current.route, request_id=current.request_id, app_name=current.app_name
+    )
+    context = contextvars.copy_context()
+    context.run(serve_context._serve_request_context.set, own)
+    return context.run(call, *args, **kwargs)
+
+
 async def _stream_call(response: Any) -> AsyncGenerator[Any]:
     finished = False
     try:
@@ -85,7 +104,7 @@ class _Pool:
         self, method: str, *args: Any, avoid: frozenset[str]
     ) -> AsyncGenerator[TokenEvent]:
         call = getattr(self._handle.options(stream=True), method)
-        stream = _stream_call(call.remote(*args, **self._avoid(avoid)))
+        stream = _stream_call(_unlinked(call.remote, *args, **self._avoid(avoid)))
         async with contextlib.aclosing(stream) as events:  # closed with us: cancels the call
             async for event in events:
                 yield event
@@ -95,7 +114,8 @@ class PrefillPool(_Pool):
     async def prefill(
         self, request: GenerationRequest, avoid: frozenset[str] = NO_REPLICAS
     ) -> PrefillResult:
-        result: PrefillResult = await self._handle.prefill.remote(request, **self._avoid(avoid))
+        call = self._handle.prefill.remote
+        result: PrefillResult = await _unlinked(call, request, **self._avoid(avoid))
         return result
 
     async def abort(self, request_id: str) -> None:
@@ -130,7 +150,7 @@ class DecodePool(_Pool):
         return self._stream("generate", request, avoid=avoid)
 
     async def release(self, handoff: KVHandoff) -> None:
-        await self._handle.release.remote(handoff)
+        await _unlinked(self._handle.release.remote, handoff)
 
 
 class _Moves:
