@@ -291,8 +291,8 @@ async def _one_attempt(
         finished = False
         try:
             # Closed with this attempt (client gone): cancels the decode call now, not at GC.
-            events = decode.decode(request, result.handoff, avoid)
-            async with contextlib.aclosing(events) as events:  # type: ignore[type-var]
+            stream = decode.decode(request, result.handoff, avoid)
+            async with contextlib.aclosing(stream) as events:  # type: ignore[type-var]
                 async for event in events:
                     if event.replica_id:
                         at.replica = event.replica_id
