@@ -265,6 +265,13 @@ class RouterConfig(_Strict):
         "(within the SLO); 'token', one token's headroom (long prompts go remote while "
         "streams run)",
     )
+    adaptive_itl_s: float | None = Field(
+        None,
+        gt=0,
+        description="with adaptive_stall_budget 'token': the inter-token gap a local prefill "
+        "may stretch the decode replica's streams to (an ITL SLO); None: "
+        "autoscaling.tpot_p95_s",
+    )
     request_timeout_s: float = Field(
         600.0,
         gt=0,
@@ -416,6 +423,10 @@ class AppConfig(_Strict):
             raise ValueError(
                 "router.adaptive_prefill and router.local_prefill_max_tokens: choose one way "
                 "to decide where prompts are prefilled"
+            )
+        if self.router.adaptive_itl_s is not None and self.router.adaptive_stall_budget != "token":
+            raise ValueError(
+                "router.adaptive_itl_s bounds one gap: it needs router.adaptive_stall_budget: token"
             )
         if self.engine.block_size is not None and self.engine.block_size < 1:
             raise ValueError("engine.block_size must be >= 1")

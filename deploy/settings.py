@@ -92,6 +92,7 @@ def router_settings(config: AppConfig, release_is_idempotent: bool = False) -> R
         key_limit_timeout_s=router.key_limit_timeout_s,
         adaptive_prefill_tpot_s=config.autoscaling.tpot_p95_s if router.adaptive_prefill else None,
         adaptive_stall_budget=router.adaptive_stall_budget,
+        adaptive_itl_s=router.adaptive_itl_s,
     )
 
 

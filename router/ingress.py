@@ -136,6 +136,7 @@ class RouterSettings:
     # router.adaptive_prefill: the decode streams' TPOT target the decision keeps; None: off.
     adaptive_prefill_tpot_s: float | None = None
     adaptive_stall_budget: StallBudget = "stream"
+    adaptive_itl_s: float | None = None  # with the "token" budget: the gap it bounds
 
 
 def _prefill_placement(
@@ -147,7 +148,9 @@ def _prefill_placement(
         return None
     if settings.adaptive_prefill_tpot_s is not None:
         decider = PDDecider(
-            settings.adaptive_prefill_tpot_s, stall_budget=settings.adaptive_stall_budget
+            settings.adaptive_prefill_tpot_s,
+            stall_budget=settings.adaptive_stall_budget,
+            itl_slo_s=settings.adaptive_itl_s,
         )
         return PredictedPrefill(decider, pool_view.POOL_VIEW, metrics.count_decision)
     if settings.local_prefill_max_tokens:

@@ -175,7 +175,9 @@ class PDDecider:
     how long a local prefill may stall the decode engine's running streams: "stream", the
     TPOT headroom over a stream's mean output (the streams stay within the SLO, though one
     long prompt may stall them seconds); "token", one token's headroom (a stall no longer
-    than one more step each stream can afford: long prompts go remote while streams run)."""
+    than one more step each stream can afford: long prompts go remote while streams run),
+    measured against `itl_slo_s` where one is set (an ITL SLO bounds each gap), else the
+    TPOT SLO."""
 
     def __init__(
         self,
@@ -183,6 +185,7 @@ class PDDecider:
         max_snapshot_age_s: float = 10.0,
         window: int = 64,
         stall_budget: StallBudget = "stream",
+        itl_slo_s: float | None = None,
     ) -> None:
         if stall_budget not in ("stream", "token"):
             raise ValueError(f"stall_budget must be 'stream' or 'token', got {stall_budget!r}")
@@ -192,12 +195,16 @@ class PDDecider:
                 f"tpot_slo_s and max_snapshot_age_s must be > 0, got {tpot_slo_s}, "
                 f"{max_snapshot_age_s}"
             )
+        if itl_slo_s is not None and itl_slo_s <= 0:
+            raise ValueError(f"itl_slo_s must be > 0, got {itl_slo_s}")
         self.tpot_slo_s = tpot_slo_s
+        self.itl_slo_s = itl_slo_s
         self.max_snapshot_age_s = max_snapshot_age_s
         self.prefill = LinearFit(window)  # compute seconds against prompt tokens computed
         # The decode call to decode's first token, against prompt tokens.
         self.transfer = LinearFit(window, fallback="constant")
         self.tpot = RecentQuantile(0.95, window)
+        self.tpot_median = RecentQuantile(0.5, window)
         self.output_tokens = Mean()
         self._num_unfitted = 0
 
@@ -217,6 +224,7 @@ class PDDecider:
             self.transfer.add(num_prompt_tokens, kv_transfer_s)
         if mean_tpot_s is not None and num_output_tokens >= MIN_TPOT_TOKENS:
             self.tpot.add(mean_tpot_s)
+            self.tpot_median.add(mean_tpot_s)
             self.output_tokens.add(num_output_tokens)
 
     def decide(self, inputs: PDInputs) -> PDDecision:
@@ -244,16 +252,28 @@ class PDDecider:
         if inputs.decode.num_running > 0:
             # The streams on that engine wait `stall` once; over a stream's output that adds
             # stall / tokens to its mean TPOT, which must stay under the SLO where the
-            # recent tail already is ("stream"); or that one gap must ("token").
-            tokens = _known(self.output_tokens.value) if self.stall_budget == "stream" else 1.0
-            headroom = max(0.0, self.tpot_slo_s - _known(self.tpot.value)) * tokens
-            if stall > headroom:
+            # recent tail already is ("stream"). Or that one gap must stay under the ITL
+            # (else TPOT) SLO ("token"): the gap is the step the streams take anyway (their
+            # median TPOT, which holds the step's fixed cost, the fit's intercept) plus the
+            # prompt's own compute.
+            if self.stall_budget == "stream":
+                added = stall
+                headroom = max(0.0, self.tpot_slo_s - _known(self.tpot.value)) * _known(
+                    self.output_tokens.value
+                )
+            else:
+                added = per_token * inputs.num_prompt_tokens
+                slo = self.itl_slo_s or self.tpot_slo_s
+                headroom = max(0.0, slo - _known(self.tpot_median.value))
+            if added > headroom:
+                slo_name = "TPOT" if self.stall_budget == "stream" or not self.itl_slo_s else "ITL"
                 return PDDecision(
                     "remote",
-                    f"local would stall {inputs.decode.num_running} streams past the TPOT SLO",
+                    f"local would stall {inputs.decode.num_running} streams past the "
+                    f"{slo_name} SLO",
                     local,
                     remote,
-                    stall,
+                    added,
                     headroom,
                 )
         if local <= remote:

@@ -97,6 +97,15 @@ def test_adaptive_prefill_keeps_the_tpot_slo_and_excludes_the_threshold() -> Non
     assert router_settings(make_config()).adaptive_prefill_tpot_s is None
     with pytest.raises(ValueError, match=r"router.adaptive_prefill and router.local_prefill_max"):
         make_config(router={"adaptive_prefill": True, "local_prefill_max_tokens": 64})
+    itl = make_config(
+        router={"adaptive_prefill": True, "adaptive_stall_budget": "token", "adaptive_itl_s": 0.05}
+    )
+    assert (router_settings(itl).adaptive_stall_budget, router_settings(itl).adaptive_itl_s) == (
+        "token",
+        0.05,
+    )
+    with pytest.raises(ValueError, match=r"router.adaptive_itl_s .*adaptive_stall_budget: token"):
+        make_config(router={"adaptive_prefill": True, "adaptive_itl_s": 0.05})
 
 
 @pytest.mark.parametrize("topology", ["disaggregated", "colocated"])

@@ -175,14 +175,32 @@ def test_a_missing_signal_means_local_and_the_transfer_rate_is_learned() -> None
 
 
 def test_a_one_token_stall_budget_sends_long_prompts_remote_while_streams_run() -> None:
-    # The same 1,000 tokens: 1.05 s of stall against one token's headroom, 0.3 - 0.1 = 0.2 s.
+    # The streams' gap is their median TPOT, 0.1 s, the step's fixed 0.05 s in it; a local
+    # prompt adds its own compute, 1 ms a token: 1,000 tokens add 1 s against one token's
+    # headroom of 0.3 - 0.1 = 0.2 s.
     token = fitted(stall_budget="token")
     decision = token.decide(inputs(1000, running=8))
     assert decision.path == "remote" and decision.headroom_s == pytest.approx(0.2)
-    # 100 tokens stall them 0.15 s: within one token's headroom, and sooner locally.
-    assert token.decide(inputs(100, running=8)).path == "local"
+    assert decision.stall_s == pytest.approx(1.0) and "TPOT SLO" in decision.reason
+    # 150 tokens add 0.15 s: within one token's headroom, and sooner locally.
+    assert token.decide(inputs(150, running=8)).path == "local"
     # No stream running: nothing to stall, the sooner path.
     assert token.decide(inputs(1000)).path == "local"
+
+
+def test_an_itl_slo_bounds_the_one_gap_a_local_prompt_adds() -> None:
+    """Under an ITL SLO each gap is bounded: the headroom is that SLO less the streams'
+    median TPOT (their usual gap), not their TPOT tail, which a few slow streams set."""
+    decider = PDDecider(0.3, stall_budget="token", itl_slo_s=0.35)
+    for tokens in (100, 500, 1000, 2000, 300, 700, 1500):
+        tpot = 0.25 if tokens in (300, 700, 1500) else 0.1  # 3 of 7 slow: P95 0.25, median 0.1
+        decider.observe(tokens, 0.05 + 0.001 * tokens, 0.02 + 0.0001 * tokens, tpot, 100)
+    assert decider.decide(inputs(240, running=8)).path == "local"
+    decision = decider.decide(inputs(260, running=8))
+    assert decision.path == "remote" and "ITL SLO" in decision.reason, decision.describe()
+    assert decision.headroom_s == pytest.approx(0.25) and decision.stall_s == pytest.approx(0.26)
+    with pytest.raises(ValueError, match="itl_slo_s"):
+        PDDecider(0.3, itl_slo_s=0.0)
 
 
 def test_bad_settings_are_refused() -> None:
