@@ -124,7 +124,9 @@ def markdown(report: Report) -> str:
         lines += [
             f"### {workload}",
             "",
-            f"SLO: TTFT <= {slo.ttft_s * 1e3:.0f} ms, TPOT <= {slo.tpot_s * 1e3:.0f} ms; "
+            f"SLO: TTFT <= {slo.ttft_s * 1e3:.0f} ms, TPOT <= {slo.tpot_s * 1e3:.0f} ms"
+            + ("" if slo.itl_s is None else f", P99 gap <= {slo.itl_s * 1e3:.0f} ms")
+            + "; "
             f"cost at ${runs[0].dollars_per_hour:g}/hour. Latencies in ms.",
             "",
             "| system | load | done/sent | req/s | out tok/s | TTFT P50 | P90 | P95 | P99 "

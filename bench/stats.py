@@ -4,7 +4,9 @@ Definitions (docs/benchmarks.md repeats them):
 - duration: from the first request sent to the last token received;
 - throughput: completed requests and output tokens per second of that duration;
 - a request meets the SLOs when it completed, TTFT <= ttft_s and TPOT <= tpot_s (a request with
-  one output token has no TPOT and is judged on TTFT alone); failed requests never meet them;
+  one output token has no TPOT and is judged on TTFT alone), and, where an ITL SLO is set, the
+  P99 of its inter-token gaps (nearest rank, as the planner judges it) <= itl_s; failed
+  requests never meet them;
 - attainment: the fraction of sent requests that met the SLOs;
 - goodput: requests that met the SLOs per second of the duration (DistServe's);
 - max rate meeting the SLOs: the highest offered rate of a sweep whose attainment reached the
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 from bench.record import RequestRecord
 from engine.autoscaling_stats import percentile_of
+from router.pd_decision import nearest_rank
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -27,14 +30,20 @@ PERCENTILES = (50, 90, 95, 99)
 class SLO:
     ttft_s: float
     tpot_s: float
+    itl_s: float | None = None  # a request's P99 gap; None: no ITL bound
 
     def __post_init__(self) -> None:
-        if not (self.ttft_s > 0 and self.tpot_s > 0):
+        if not (self.ttft_s > 0 and self.tpot_s > 0 and (self.itl_s is None or self.itl_s > 0)):
             raise ValueError(f"SLO targets must be > 0, got {self}")
 
     def is_met_by(self, record: RequestRecord) -> bool:
         ttft, tpot = record.ttft_s, record.tpot_s
-        return ttft is not None and ttft <= self.ttft_s and (tpot is None or tpot <= self.tpot_s)
+        if ttft is None or ttft > self.ttft_s or (tpot is not None and tpot > self.tpot_s):
+            return False
+        if self.itl_s is None:
+            return True
+        gaps = record.itls_s
+        return not gaps or nearest_rank(gaps, 0.99) <= self.itl_s
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ class BenchPlan:
         return low + [(Arrival("poisson", rate), n) for rate in workload.rates]
 
     def slo_of(self, workload: Workload) -> SLO:
-        return self.slo or SLO(workload.slo.ttft_s, workload.slo.tpot_s)
+        return self.slo or SLO(workload.slo.ttft_s, workload.slo.tpot_s, workload.slo.itl_s)
 
 
 async def measure(target: Target, plan: BenchPlan, tokenizer: Any) -> list[Run]:

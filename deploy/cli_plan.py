@@ -26,12 +26,23 @@ def add_plan_command(commands: argparse._SubParsersAction) -> None:
         metavar="N=PROFILE",
         help="also weigh engines N cores (GPUs) wide, timed by PROFILE (repeatable)",
     )
+    plan.add_argument(
+        "--chunk-budget",
+        action="append",
+        type=int,
+        metavar="TOKENS",
+        help="weigh every candidate at this chunked-prefill budget (repeatable; default: the "
+        "engine's own)",
+    )
     plan.add_argument("--attainment", type=float, help="share meeting the SLOs (default 0.9)")
     plan.add_argument(
         "--min-gain", type=float, help="a split's goodput over colocated's to pick it (1.1)"
     )
     plan.add_argument("--ttft", type=float, help="TTFT SLO in s (default: the workload's)")
     plan.add_argument("--tpot", type=float, help="TPOT SLO in s (default: the workload's)")
+    plan.add_argument(
+        "--itl", type=float, help="ITL SLO in s, a request's P99 gap (default: the workload's)"
+    )
     plan.add_argument(
         "--config", help="app config YAML: its `plan` section and engine shape (KV cache, ...)"
     )
@@ -54,7 +65,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "min_gain": args.min_gain,
         "ttft_s": args.ttft,
         "tpot_s": args.tpot,
+        "itl_s": args.itl,
         "wider_engines": dict(args.wider) if args.wider else None,
+        "chunk_budgets": args.chunk_budget,
     }
     data["plan"] |= {k: v for k, v in given.items() if v is not None}
     config = AppConfig.model_validate(data)

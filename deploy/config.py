@@ -365,6 +365,16 @@ class PlanConfig(_Strict):
     )
     ttft_s: float | None = Field(None, gt=0, description="TTFT SLO (s); None: the workload's")
     tpot_s: float | None = Field(None, gt=0, description="TPOT SLO (s); None: the workload's")
+    itl_s: float | None = Field(
+        None, gt=0, description="ITL (P99 gap) SLO (s); None: the workload's"
+    )
+    chunk_budgets: list[int] = Field(
+        default_factory=list,
+        description="chunked-prefill token budgets (vLLM's max_num_batched_tokens) to weigh each "
+        "candidate at; the pick's is set in engine.engine_kwargs. Empty: the engine's own only. "
+        "A small budget splits a long prompt into steps the running streams can wait through "
+        "(Sarathi-Serve): under an ITL SLO it can matter more than the topology",
+    )
     seed: int = Field(0, ge=0, description="seed of the modelled arrivals and lengths")
     min_gain: float = Field(
         1.1,
@@ -373,6 +383,13 @@ class PlanConfig(_Strict):
         "its predicted goodput is this many times colocated's: the model leaves out the hops "
         "and the shared cores a split pays for",
     )
+
+    @field_validator("chunk_budgets")
+    @classmethod
+    def _budgets_positive(cls, value: list[int]) -> list[int]:
+        if bad := [n for n in value if n < 1]:
+            raise ValueError(f"chunk budgets must be at least 1 token, got {bad}")
+        return sorted(set(value))
 
     @field_validator("wider_engines")
     @classmethod

@@ -14,13 +14,20 @@ moved over the profile's link. The candidates for N engines:
   router does from real ones).
 
 A candidate's goodput is the highest Poisson rate at which at least `attainment` of the
-requests meet both the TTFT and the TPOT SLO (DistServe's definition), found by a rate search
+requests meet both the TTFT and the TPOT SLO (DistServe's definition), and the ITL SLO where
+the workload sets one (the P99 of each request's inter-token gaps, the TBT SLO of Sarathi-Serve
+and DynaServe: a long prompt computed beside running streams stalls each of them once, which
+a mean TPOT absorbs and an ITL bound does not), found by a rate search
 over one seeded trace whose arrival gaps scale with the rate (30 s of arrivals per run). What
 the model leaves out: pdserve's own hops (a few ms each, docs/benchmarks.md), routing on stale
 loads, and engines sharing CPU cores; so a split must predict `min_gain` times colocated's
 goodput to be picked. Every engine is one of the profile's, unless the plan names wider
 engines (`plan.wider_engines`: n -> a profile measured on an engine of n cores or GPUs): then
 each candidate is also weighed on N // n engines that wide, each timed by its own profile.
+And every candidate is weighed at each chunked-prefill budget of `plan.chunk_budgets` (vLLM's
+max_num_batched_tokens): a budget under a long prompt's length computes it in several steps,
+each a short stall for the streams beside it (Sarathi-Serve), which under an ITL SLO can
+serve colocated engines better than any split.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -73,6 +80,8 @@ class Candidate:
     # Cores (GPUs) each engine computes on, in units of the plan's base profile: 1 is an
     # engine of `plan.profile`; n, one of `plan.wider_engines[n]`.
     width: int = 1
+    # Every engine's chunked-prefill token budget; None: the engine shape's.
+    chunk_budget: int | None = None
 
     @property
     def name(self) -> str:
@@ -80,15 +89,21 @@ class Candidate:
             name = f"colocated x{self.num_decode}"
         else:
             name = f"{self.kind} {self.num_prefill}:{self.num_decode}"
-        return name if self.width == 1 else f"{name} ({self.width}-wide)"
+        if self.width > 1:
+            name += f" ({self.width}-wide)"
+        return name if self.chunk_budget is None else f"{name} chunk {self.chunk_budget}"
 
 
-def candidates(num_engines: int, width: int = 1) -> list[Candidate]:
+def candidates(
+    num_engines: int, width: int = 1, chunk_budget: int | None = None
+) -> list[Candidate]:
     if num_engines < 1:
         raise ValueError(f"engines must be >= 1, got {num_engines}")
-    found = [Candidate("colocated", 0, num_engines, width)]
+    found = [Candidate("colocated", 0, num_engines, width, chunk_budget)]
     for kind in ("disaggregated", "adaptive"):
-        found += [Candidate(kind, p, num_engines - p, width) for p in range(1, num_engines)]
+        found += [
+            Candidate(kind, p, num_engines - p, width, chunk_budget) for p in range(1, num_engines)
+        ]
     return found
 
 
@@ -133,9 +148,10 @@ class Trace:
 @dataclass(frozen=True)
 class RunResult:
     rate: float
-    attainment: float  # share of the requests meeting both SLOs
+    attainment: float  # share of the requests meeting every SLO set
     ttft_p90_s: float
     tpot_p90_s: float
+    itl_p90_s: float  # the P90 over requests of each one's P99 gap
     num_local: int  # adaptive: prompts computed on their decode engine
     num_remote: int
 
@@ -155,8 +171,13 @@ class Plan:
     ttft_slo_s: float
     tpot_slo_s: float
     attainment: float
-    results: tuple[CandidatePlan, ...]  # colocated first, then by width
+    results: tuple[CandidatePlan, ...]  # by width, then budget; colocated first in each
     min_gain: float = 1.0
+    itl_slo_s: float | None = None
+
+    def slo_text(self) -> str:
+        itl = "" if self.itl_slo_s is None else f" / ITL (P99 gap) {self.itl_slo_s:g} s"
+        return f"TTFT {self.ttft_slo_s:g} s / TPOT {self.tpot_slo_s:g} s{itl}"
 
     @property
     def colocated(self) -> CandidatePlan:
@@ -182,10 +203,7 @@ class Plan:
         best, highest, colocated = self.best, self.highest, self.colocated
         if highest.goodput == 0:
             return "no candidate meets the SLOs at any rate tried; colocated is the default"
-        slo = (
-            f"within TTFT {self.ttft_slo_s:g} s / TPOT {self.tpot_slo_s:g} s for "
-            f"{self.attainment:.0%} of requests"
-        )
+        slo = f"within {self.slo_text()} for {self.attainment:.0%} of requests"
         if best is not highest:
             return (
                 f"{colocated.candidate.name} serves {colocated.goodput:.3g} req/s {slo}; "
@@ -207,17 +225,19 @@ def format_plan(result: Plan) -> str:
     lines = [
         f"plan for workload {result.workload} on {result.num_engines} engines, profile "
         f"{result.profile}: goodput = the highest Poisson rate at which "
-        f"{result.attainment:.0%} of requests meet TTFT {result.ttft_slo_s:g} s and TPOT "
-        f"{result.tpot_slo_s:g} s",
-        f"{'candidate':<26} {'goodput req/s':>13} {'TTFT P90 s':>10} {'TPOT P90 s':>10} "
-        f"{'local:remote':>12}",
+        f"{result.attainment:.0%} of requests meet {result.slo_text()}",
+        f"{'candidate':<30} {'goodput req/s':>13} {'TTFT P90 s':>10} {'TPOT P90 s':>10} "
+        f"{'ITL P90 s':>9} {'local:remote':>12}",
     ]
     for r in result.results:
         at = r.at_goodput
         ttft = f"{at.ttft_p90_s:.3f}" if at else "-"
         tpot = f"{at.tpot_p90_s:.4f}" if at else "-"
+        itl = f"{at.itl_p90_s:.4f}" if at else "-"
         split = f"{at.num_local}:{at.num_remote}" if at and r.candidate.kind == "adaptive" else ""
-        lines.append(f"{r.candidate.name:<26} {r.goodput:>13.3f} {ttft:>10} {tpot:>10} {split:>12}")
+        lines.append(
+            f"{r.candidate.name:<30} {r.goodput:>13.3f} {ttft:>10} {tpot:>10} {itl:>9} {split:>12}"
+        )
     lines.append(f"pick: {result.reason()}")
     return "\n".join(lines)
 
@@ -232,11 +252,13 @@ def plan(
     trace: Trace | None = None,
     min_gain: float = 1.0,
     wider: Mapping[int, SimProfile] | None = None,
+    chunk_budgets: Sequence[int] = (),
 ) -> Plan:
     """Every candidate's goodput for `workload` (its SLO) on `num_engines` engines of
     `profile`, then, for each width n of `wider`, on num_engines // n engines of n times the
-    cores (GPUs) each, timed by wider[n]. A split is picked over the best colocated candidate
-    only for `min_gain` times its goodput."""
+    cores (GPUs) each, timed by wider[n]; each at every one of `chunk_budgets` (none: the
+    shape's own budget only). A split is picked over the best colocated candidate only for
+    `min_gain` times its goodput."""
     if not 0 < attainment <= 1:
         raise ValueError(f"attainment must be in (0, 1], got {attainment}")
     sized = {1: profile, **(wider or {})}
@@ -261,12 +283,13 @@ def plan(
     slo = workload.slo
     results = [
         _goodput(
-            AppModel(candidate, sized[width], link, shape, slo.ttft_s, slo.tpot_s),
+            AppModel(candidate, sized[width], link, shape, slo.ttft_s, slo.tpot_s, slo.itl_s),
             trace,
             attainment,
         )
         for width in sorted(sized)
-        for candidate in candidates(num_engines // width, width)
+        for budget in (tuple(chunk_budgets) or (None,))
+        for candidate in candidates(num_engines // width, width, budget)
     ]
     return Plan(
         workload.name,
@@ -277,6 +300,7 @@ def plan(
         attainment,
         tuple(results),
         min_gain,
+        slo.itl_s,
     )
 
 
@@ -295,7 +319,8 @@ def plan_for(config: AppConfig, workload: Workload | None = None) -> Plan:
         max_num_batched_tokens=engine.engine_kwargs.get("max_num_batched_tokens"),
     )
     workload = workload or load_workload(spec.workload)
-    slo = {k: v for k, v in (("ttft_s", spec.ttft_s), ("tpot_s", spec.tpot_s)) if v is not None}
+    given = (("ttft_s", spec.ttft_s), ("tpot_s", spec.tpot_s), ("itl_s", spec.itl_s))
+    slo = {k: v for k, v in given if v is not None}
     if slo:  # validated as the workload's own SLO is
         workload = workload.model_copy(
             update={"slo": WorkloadSLO.model_validate(workload.slo.model_dump() | slo)}
@@ -313,6 +338,7 @@ def plan_for(config: AppConfig, workload: Workload | None = None) -> Plan:
         trace,
         min_gain=spec.min_gain,
         wider=wider,
+        chunk_budgets=spec.chunk_budgets,
     )
 
 
@@ -325,6 +351,8 @@ def resolve_auto(config: AppConfig) -> tuple[AppConfig, Plan | None]:
     result = plan_for(config)
     best = result.best.candidate
     data = config.model_dump()
+    if best.chunk_budget is not None:
+        data["engine"]["engine_kwargs"]["max_num_batched_tokens"] = best.chunk_budget
     if best.kind == "colocated":
         data["topology"] = "colocated"
         _start_with(data["colocated"], best.num_decode, best.width)
@@ -394,6 +422,7 @@ class _Req:
     scheduled_at: float | None = None  # its prompt's first step began
     handoff_at: float | None = None  # remote: its KV left the prefill engine
     kv_loaded_at: float | None = None  # remote: the decode engine's first (dropped) sample
+    gaps: list[float] = field(default_factory=list)  # seconds between the client's tokens
 
     @property
     def tpot_s(self) -> float | None:
@@ -402,6 +431,11 @@ class _Req:
             return None
         assert self.first_token_at is not None and self.last_token_at is not None
         return (self.last_token_at - self.first_token_at) / (self.num_sent - 1)
+
+    @property
+    def itl_s(self) -> float:
+        """The P99 of its inter-token gaps (nearest rank); 0 below two tokens."""
+        return nearest_rank(self.gaps, 0.99) if self.gaps else 0.0
 
 
 @dataclass(eq=False)
@@ -430,6 +464,7 @@ class AppModel:
     shape: EngineShape
     ttft_slo_s: float
     tpot_slo_s: float
+    itl_slo_s: float | None = None
 
     def rate_alone(self, trace: Trace) -> float:
         """Requests per second the engines finish one at a time each (no batching): where the
@@ -452,7 +487,8 @@ class AppModel:
             SimScheduler(
                 BlockPool(blocks, shape.block_size),
                 _TOKENS,
-                max_num_batched_tokens=shape.max_num_batched_tokens
+                max_num_batched_tokens=self.candidate.chunk_budget
+                or shape.max_num_batched_tokens
                 or self.profile.max_num_batched_tokens,
                 max_num_seqs=shape.max_num_seqs,
                 max_model_len=shape.max_model_len,
@@ -468,7 +504,13 @@ class _Run:
         self.prefill = [model.new_engine() for _ in range(candidate.num_prefill)]
         self.decode = [model.new_engine() for _ in range(candidate.num_decode)]
         self.decider = (
-            PDDecider(model.tpot_slo_s, max_snapshot_age_s=math.inf)
+            PDDecider(
+                model.tpot_slo_s,
+                max_snapshot_age_s=math.inf,
+                # Under an ITL SLO a local prompt's stall must fit in one gap's headroom.
+                stall_budget="stream" if model.itl_slo_s is None else "token",
+                itl_slo_s=model.itl_slo_s,
+            )
             if candidate.kind == "adaptive"
             else None
         )
@@ -489,25 +531,33 @@ class _Run:
 
     def result(self) -> RunResult:
         self._simulate()
+        model = self.model
         met = 0
-        ttfts, tpots = [], []
+        ttfts, tpots, itls = [], [], []
         for r in self.requests:
             if r.num_sent < r.num_output:
                 ttfts.append(math.inf)
                 tpots.append(math.inf)
+                itls.append(math.inf)
                 continue
             assert r.first_token_at is not None
             ttft = r.first_token_at - r.arrival
             tpot = r.tpot_s or 0.0  # one token: no gap
             ttfts.append(ttft)
             tpots.append(tpot)
-            met += ttft <= self.model.ttft_slo_s and tpot <= self.model.tpot_slo_s
+            itls.append(r.itl_s)
+            met += (
+                ttft <= model.ttft_slo_s
+                and tpot <= model.tpot_slo_s
+                and (model.itl_slo_s is None or r.itl_s <= model.itl_slo_s)
+            )
         num_local = sum(r.local for r in self.requests)
         return RunResult(
             self.rate,
             met / len(self.requests),
             nearest_rank(ttfts, 0.9),
             nearest_rank(tpots, 0.9),
+            nearest_rank(itls, 0.9),
             num_local,
             len(self.requests) - num_local,
         )
@@ -580,6 +630,8 @@ class _Run:
 
     def _token(self, owner: _Req) -> None:
         owner.num_sent += 1
+        if owner.last_token_at is not None:
+            owner.gaps.append(self.now - owner.last_token_at)
         owner.last_token_at = self.now
         if owner.first_token_at is None:
             owner.first_token_at = self.now

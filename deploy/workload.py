@@ -52,6 +52,13 @@ class WorkloadSLO(BaseModel):
 
     ttft_s: float = Field(gt=0, description="TTFT a request must meet, seconds")
     tpot_s: float = Field(gt=0, description="TPOT a request must meet, seconds")
+    itl_s: float | None = Field(
+        None,
+        gt=0,
+        description="P99 of a request's inter-token gaps it must meet, seconds (the TBT SLO of "
+        "Sarathi-Serve and DynaServe: one long stall fails it, where a mean TPOT absorbs it); "
+        "None: no ITL bound",
+    )
 
 
 class Workload(BaseModel):

@@ -203,8 +203,15 @@ def test_plots_are_written(tmp_path: Path) -> None:
 
 def test_named_workloads_load() -> None:
     assert workload_names() == [
-        "chat", "chat-burst", "gpu-chat", "gpu-long", "gpu-mixed", "long-prompt", "shared-prefix"
+        "chat", "chat-burst", "gpu-chat", "gpu-long", "gpu-mixed", "gpu-mixed-itl", "long-prompt",
+        "shared-prefix",
     ]  # fmt: skip
+    # gpu-mixed-itl is gpu-mixed's trace with an ITL bound; the others set none.
+    assert load_workload("gpu-mixed-itl").slo.itl_s == 0.05
+    assert load_workload("gpu-mixed-itl").lengths(400, 0) == load_workload("gpu-mixed").lengths(
+        400, 0
+    )
+    assert load_workload("gpu-mixed").slo.itl_s is None
     burst = load_workload("chat-burst").lengths(46, seed=0)
     # 20 chat, 6 long prompts together, 20 chat.
     assert [p > 192 for p, _ in burst] == [False] * 20 + [True] * 6 + [False] * 20

@@ -69,6 +69,26 @@ def test_failed_and_single_token_requests() -> None:
     assert not slo.is_met_by(failed)
 
 
+def test_an_itl_slo_fails_a_stream_with_one_long_stall_its_mean_tpot_absorbs() -> None:
+    # 11 tokens 0.1 s apart but one gap of 0.6 s: TPOT 0.15 s, P99 gap 0.6 s.
+    stalled = record(
+        0,
+        0.0,
+        [
+            (0.5, 1),
+            *[(0.6 + 0.1 * i, 1) for i in range(5)],
+            (1.6, 1),
+            *[(1.7 + 0.1 * i, 1) for i in range(4)],
+        ],
+    )
+    assert stalled.tpot_s == pytest.approx(0.15) and max(stalled.itls_s) == pytest.approx(0.6)
+    assert SLO(ttft_s=1.0, tpot_s=0.2).is_met_by(stalled)
+    assert not SLO(ttft_s=1.0, tpot_s=0.2, itl_s=0.3).is_met_by(stalled)
+    assert SLO(ttft_s=1.0, tpot_s=0.2, itl_s=0.7).is_met_by(stalled)
+    with pytest.raises(ValueError, match="SLO targets"):
+        SLO(1.0, 0.2, itl_s=0.0)
+
+
 def test_summary_counts_throughput_attainment_goodput_and_cost() -> None:
     records = [
         # meets both: ttft 0.5, tpot 0.1

@@ -107,6 +107,10 @@ def test_candidates_for_n_engines() -> None:
         "colocated x2 (2-wide)",
         "disaggregated 1:1 (2-wide)",
     ]
+    assert [c.name for c in candidates(2, chunk_budget=512)][:2] == [
+        "colocated x2 chunk 512",
+        "disaggregated 1:1 chunk 512",
+    ]
     with pytest.raises(ValueError, match="engines"):
         candidates(0)
 
@@ -146,6 +150,44 @@ def test_long_prompts_at_a_tight_tpot_are_served_best_disaggregated() -> None:
     assert model.run(trace, 2 * best.goodput).attainment < 0.9
     text = format_plan(result)
     assert "pick: disaggregated 1:1 serves" in text and "x the next best" in text
+
+
+def test_an_itl_slo_counts_the_stall_a_mean_tpot_absorbs() -> None:
+    """A 1,000-token prompt arrives while a 100-token answer streams on the same colocated
+    engine: that stream waits for the prompt's prefill steps once. Spread over its 99 gaps the
+    wait leaves its mean TPOT under 0.1 s, but its P99 gap is the wait itself; split 1:1, the
+    prompt is computed on the other engine and the stream's largest gap is its own handoff
+    (the KV transfer and a decode step, 31 ms)."""
+    trace = Trace(((10, 100), (1000, 1)), (0.0, 0.5), 0, duration_s=1.0, min_requests=2)
+
+    def run(candidate: Candidate, itl_slo_s: float | None) -> tuple[float, float, float]:
+        model = AppModel(candidate, PROFILE, LINK, SHAPE, 60.0, 0.1, itl_slo_s)
+        result = model.run(trace, rate=1.0)
+        return result.attainment, result.tpot_p90_s, result.itl_p90_s
+
+    colocated = Candidate("colocated", 0, 1)
+    attainment, tpot, itl = run(colocated, None)
+    assert attainment == 1.0 and tpot < 0.1 and itl > 0.5, (tpot, itl)
+    assert run(colocated, 0.1)[0] == 0.5
+    attainment, tpot, itl = run(Candidate("disaggregated", 1, 1), 0.1)
+    assert attainment == 1.0 and itl < 0.05, (tpot, itl)
+
+
+def test_a_small_chunk_budget_cuts_a_long_prompt_into_stalls_the_itl_slo_allows() -> None:
+    """The same 1,000-token prompt beside the same stream, on one colocated engine whose
+    chunked-prefill budget is 100 tokens: ten steps of 100 prompt tokens each, every one a gap
+    of 0.11-0.21 s (the attention grows with the prompt's part computed), where the whole
+    prompt in one step was a gap of 1.5 s."""
+    trace = Trace(((10, 100), (1000, 1)), (0.0, 0.5), 0, duration_s=1.0, min_requests=2)
+    gaps = {}
+    for budget in (None, 100):
+        model = AppModel(
+            Candidate("colocated", 0, 1, chunk_budget=budget), PROFILE, LINK, SHAPE, 60, 0.1, 0.3
+        )
+        result = model.run(trace, rate=1.0)
+        gaps[budget] = (result.attainment, result.itl_p90_s)
+    assert gaps[None][0] == 0.5 and gaps[None][1] > 0.5, gaps
+    assert gaps[100][0] == 1.0 and 0.1 < gaps[100][1] < 0.25, gaps
 
 
 def test_short_prompts_at_a_loose_tpot_stay_colocated() -> None:
@@ -206,6 +248,29 @@ def test_topology_auto_becomes_the_configuration_the_plan_picks(tmp_path: Path) 
     assert config.colocated.cores_per_replica is None  # no cores named: nothing to slice
 
 
+def test_topology_auto_weighs_chunk_budgets_and_sets_the_pick_s(tmp_path: Path) -> None:
+    """Long prompts under a 0.5 s ITL SLO on the CPU profile: a colocated engine at a 128-token
+    budget stalls its streams 0.26 s a step, at 4,096 a whole prompt's 2-3 s, so colocated
+    serves over twice the rate at 128. The pick's budget becomes the engines' own."""
+    config = _auto_config(tmp_path, long_prompts=True)
+    path = Path(config.plan.workload)
+    spec = yaml.safe_load(path.read_text())
+    spec["slo"]["itl_s"] = 0.5
+    path.write_text(yaml.safe_dump(spec))
+    data = config.model_dump()
+    data["plan"]["chunk_budgets"] = [4096, 128]
+    config, chosen = resolve_auto(AppConfig.model_validate(data))
+    assert chosen is not None
+    goodput = {r.candidate.name: r.goodput for r in chosen.results}
+    assert len(goodput) == 6, goodput
+    assert goodput["colocated x2 chunk 128"] > 2 * goodput["colocated x2 chunk 4096"], goodput
+    best = chosen.best.candidate
+    assert best.chunk_budget in (128, 4096)
+    assert config.engine.engine_kwargs["max_num_batched_tokens"] == best.chunk_budget
+    with pytest.raises(ValueError, match="chunk budgets"):
+        AppConfig.model_validate({"plan": {"chunk_budgets": [0]}})
+
+
 def test_topology_auto_gives_each_planned_engine_its_own_cores(tmp_path: Path) -> None:
     """The plan models two engines; a pool of two cores starts two replicas of one core each,
     not two on both (the measured gap of docs/benchmarks.md)."""
@@ -250,6 +315,8 @@ def test_the_plan_section_s_slo_replaces_the_workload_s() -> None:
     assert (result.ttft_slo_s, result.tpot_slo_s) == (2.0, 0.3)
     one = AppConfig.model_validate({"topology": "auto", "plan": {"tpot_s": 0.3}})
     assert (plan_for(one).ttft_slo_s, plan_for(one).tpot_slo_s) == (1.5, 0.3)  # chat's TTFT
+    with_itl = plan_for(AppConfig.model_validate({"topology": "auto", "plan": {"itl_s": 0.5}}))
+    assert with_itl.itl_slo_s == 0.5 and "ITL (P99 gap) 0.5 s" in format_plan(with_itl)
     with pytest.raises(ValueError, match=r"plan\.tpot_s"):
         AppConfig.model_validate({"topology": "auto", "plan": {"tpot_s": 0}})
 
