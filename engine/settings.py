@@ -69,6 +69,12 @@ class EngineSettings:
     # More of vLLM's EngineArgs (checked when the app config loads), over what is set above.
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
+    @property
+    def chunk_budget(self) -> int | None:
+        """The chunked-prefill token budget the engine runs with: `engine_kwargs`' over the
+        field, as the vLLM engine's arguments are built (None: the engine's default)."""
+        return self.engine_kwargs.get("max_num_batched_tokens", self.max_num_batched_tokens)
+
     def __post_init__(self) -> None:
         if self.device == "cpu":
             if self.block_size is None or self.block_size % CPU_BLOCK_MULTIPLE:

@@ -108,8 +108,7 @@ class SimAsyncLLM:
         self.scheduler = SimScheduler(
             BlockPool(num_blocks, block_size),
             tokens,
-            max_num_batched_tokens=settings.max_num_batched_tokens
-            or profile.max_num_batched_tokens,
+            max_num_batched_tokens=settings.chunk_budget or profile.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs,
             max_model_len=settings.max_model_len,
         )

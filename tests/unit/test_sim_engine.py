@@ -77,6 +77,26 @@ async def test_outputs_follow_the_requested_output_kind(kind: OutputKind) -> Non
     assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
 
 
+def test_the_chunk_budget_comes_from_engine_kwargs_as_vllm_s_would() -> None:
+    """An app's engine_kwargs.max_num_batched_tokens (what `topology: auto` sets for a chunk
+    budget) is the sim scheduler's budget, over the field and the profile's."""
+    profile = make_engine(budget=512).profile
+    for field, kwargs, expected in (
+        (None, {}, 512),
+        (256, {}, 256),
+        (256, {"max_num_batched_tokens": 64}, 64),
+    ):
+        settings = EngineSettings(
+            model=Path("/unused"),
+            kv_cache_memory_bytes=1 << 20,
+            max_num_batched_tokens=field,
+            engine_kwargs=kwargs,
+        )
+        engine = SimAsyncLLM(settings, profile, Link("test", 1e9), TokenSource(range(10)))
+        assert engine.scheduler.max_num_batched_tokens == expected
+        engine.shutdown()
+
+
 async def test_first_token_and_steps_take_the_profiled_time() -> None:
     engine = make_engine()
     started = time.monotonic()
