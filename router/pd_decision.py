@@ -12,6 +12,9 @@ use a fixed threshold of uncached tokens.
                   over their mean output length must fit in (TPOT SLO - observed TPOT) each;
                   observed TPOT is the P95 of the last 64 requests' (the SLO is a P95: a
                   mean let local prefills pile up until half the streams missed it)
+    or, with the one-token budget ("token"), b x prompt tokens (the step's fixed cost a is in
+                  the streams' gap already) must fit in one gap's headroom: the ITL SLO
+                  (else the TPOT SLO) less the median TPOT of the last 64 requests
     queue_left  = max(0, b x queued tokens - seconds since the queue was reported)
 
 `a + b x tokens` (prefill compute) and `transfer_s` are least-squares lines over the last
