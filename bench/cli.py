@@ -68,6 +68,9 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     report = run.add_argument_group("report")
     report.add_argument("--slo-ttft", type=duration_arg, metavar="DURATION", help="e.g. 2s")
     report.add_argument("--slo-tpot", type=duration_arg, metavar="DURATION", help="e.g. 100ms")
+    report.add_argument(
+        "--slo-itl", type=duration_arg, metavar="DURATION", help="a request's P99 gap, e.g. 50ms"
+    )
     report.add_argument("--attainment", type=float, default=0.9, help="goodput's SLO target")
     report.add_argument("--dollars-per-hour", type=float, default=1.0, help="the machine's price")
     report.add_argument("--out", help="report folder (default bench/results/<time>)")
@@ -103,6 +106,7 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
 def _add_judging_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ttft", type=duration_arg, metavar="DURATION", help="judge anew")
     parser.add_argument("--slo-tpot", type=duration_arg, metavar="DURATION", help="judge anew")
+    parser.add_argument("--slo-itl", type=duration_arg, metavar="DURATION", help="judge anew")
     parser.add_argument("--attainment", type=float, help="goodput's SLO target, e.g. 0.9")
     parser.add_argument(
         "--max-prompt-tokens",
@@ -186,12 +190,17 @@ def _running(target: Target) -> Iterator[Target]:
 
 
 def _slo(args: argparse.Namespace) -> SLO | None:
-    """The SLO of --slo-ttft and --slo-tpot, which come together or not at all."""
+    """The SLO of --slo-ttft and --slo-tpot, which come together or not at all, and
+    --slo-itl with them (the SLO they give replaces the workload's whole, ITL bound included)."""
     from bench.stats import SLO
 
     if (args.slo_ttft is None) != (args.slo_tpot is None):
         raise ValueError("give both --slo-ttft and --slo-tpot, or neither")
-    return SLO(args.slo_ttft, args.slo_tpot) if args.slo_ttft is not None else None
+    if args.slo_ttft is None:
+        if args.slo_itl is not None:
+            raise ValueError("--slo-itl needs --slo-ttft and --slo-tpot")
+        return None
+    return SLO(args.slo_ttft, args.slo_tpot, args.slo_itl)
 
 
 def _judged_report(args: argparse.Namespace) -> Report:

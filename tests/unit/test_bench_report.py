@@ -292,6 +292,16 @@ def test_judging_again_against_another_slo(
     assert "SLO: TTFT <= 1500 ms, TPOT <= 100 ms" in (out / "report.md").read_text()
     assert (out / "chat-vs-rate.png").exists()
     assert main(["bench", "compare", str(tmp_path / "report.json"), "--slo-ttft", "1s"]) == 2
+    # An ITL bound judges every gap: 1 ms fails every answer of more than one token.
+    itl = tmp_path / "itl"
+    assert main(["bench", "report", str(tmp_path / "report.json"), "--slo-ttft", "1500ms",
+                 "--slo-tpot", "100ms", "--slo-itl", "1ms", "--out", str(itl)]) == 0  # fmt: skip
+    assert (
+        "SLO: TTFT <= 1500 ms, TPOT <= 100 ms, P99 gap <= 1 ms" in (itl / "report.md").read_text()
+    )
+    judged = report.judged_by(SLO(1.5, 0.1, itl_s=0.001))
+    assert judged.runs_of("chat", "disaggregated")[-1].summary.slo_attainment == 0.0
+    assert main(["bench", "compare", str(tmp_path / "report.json"), "--slo-itl", "1ms"]) == 2
 
     # Leaving requests out writes beside the full report, never over it.
     saved = (tmp_path / "report.json").read_text()
