@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from bench.record import RequestRecord
 from engine.autoscaling_stats import percentile_of
-from router.pd_decision import nearest_rank
+from router.pd_decision import request_itl_s
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -40,10 +40,7 @@ class SLO:
         ttft, tpot = record.ttft_s, record.tpot_s
         if ttft is None or ttft > self.ttft_s or (tpot is not None and tpot > self.tpot_s):
             return False
-        if self.itl_s is None:
-            return True
-        gaps = record.itls_s
-        return not gaps or nearest_rank(gaps, 0.99) <= self.itl_s
+        return self.itl_s is None or request_itl_s(record.itls_s) <= self.itl_s
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from engine.sim.blocks import BlockPool
 from engine.sim.profile import Link, SimProfile, load_link, load_profile
 from engine.sim.scheduler import SimRequest, SimScheduler, Step
 from engine.sim.tokens import TokenSource
-from router.pd_decision import PDDecider, PDInputs, PoolSnapshot, nearest_rank
+from router.pd_decision import PDDecider, PDInputs, PoolSnapshot, nearest_rank, request_itl_s
 
 Kind = Literal["colocated", "disaggregated", "adaptive"]
 
@@ -434,8 +434,7 @@ class _Req:
 
     @property
     def itl_s(self) -> float:
-        """The P99 of its inter-token gaps (nearest rank); 0 below two tokens."""
-        return nearest_rank(self.gaps, 0.99) if self.gaps else 0.0
+        return request_itl_s(self.gaps)
 
 
 @dataclass(eq=False)

@@ -27,7 +27,7 @@ Pure: the router feeds observations and snapshots in.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -100,6 +100,13 @@ def nearest_rank(values: Iterable[float], q: float) -> float:
     """The q-quantile (0 < q <= 1) of non-empty `values` by the nearest rank: a value seen."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def request_itl_s(gaps: Sequence[float]) -> float:
+    """A request's ITL as an ITL SLO judges it (the planner and the bench alike): the P99 of
+    its inter-token gaps by the nearest rank, so its largest gap under 100 of them; 0 with no
+    gap."""
+    return nearest_rank(gaps, 0.99) if gaps else 0.0
 
 
 class RecentQuantile:
@@ -260,16 +267,16 @@ class PDDecider:
             # median TPOT, which holds the step's fixed cost, the fit's intercept) plus the
             # prompt's own compute.
             if self.stall_budget == "stream":
-                added = stall
+                added, slo_name = stall, "TPOT"
                 headroom = max(0.0, self.tpot_slo_s - _known(self.tpot.value)) * _known(
                     self.output_tokens.value
                 )
             else:
                 added = per_token * inputs.num_prompt_tokens
+                slo_name = "TPOT" if self.itl_slo_s is None else "ITL"
                 slo = self.itl_slo_s or self.tpot_slo_s
                 headroom = max(0.0, slo - _known(self.tpot_median.value))
             if added > headroom:
-                slo_name = "TPOT" if self.stall_budget == "stream" or not self.itl_slo_s else "ITL"
                 return PDDecision(
                     "remote",
                     f"local would stall {inputs.decode.num_running} streams past the "
