@@ -19,7 +19,8 @@ use a fixed threshold of uncached tokens.
 
 `a + b x tokens` (prefill compute) and `transfer_s` are least-squares lines over the last
 observations, seconds against tokens. A missing signal (no fit yet, no load seen or one too
-old) means local: the request costs no transfer and feeds the prefill fit. Only remote requests
+old) means local: the request costs no transfer and feeds the prefill fit; so does a split
+that left no engine serving prefill (autoscaling/roles.py). Only remote requests
 teach the transfer rate, so until it is fitted one request in `EXPLORE_EVERY` goes remote.
 Pure: the router feeds observations and snapshots in.
 """
@@ -155,6 +156,8 @@ class PDInputs:
     num_cached_remote: int
     prefill: PoolSnapshot | None
     decode: PoolSnapshot | None
+    # Known: no engine takes prefill calls now (the split lent them all to decoding).
+    no_prefill_engine: bool = False
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,8 @@ class PDDecider:
             self.output_tokens.add(num_output_tokens)
 
     def decide(self, inputs: PDInputs) -> PDDecision:
+        if inputs.no_prefill_engine:
+            return PDDecision("local", "no engine serves prefill")
         if self.transfer.line() is None:
             # Only remote requests teach the transfer rate: one in `EXPLORE_EVERY` goes there
             # until it is fitted (else a missing rate would keep every request local).

@@ -193,6 +193,8 @@ class PoolLoads(Protocol):
 
     def prefill(self, prompt_token_ids: Sequence[int]) -> tuple[PoolSnapshot | None, int]: ...
 
+    def serves_none(self, role: str) -> bool: ...
+
     def decode(self) -> PoolSnapshot | None: ...
 
 
@@ -215,7 +217,13 @@ class PredictedPrefill:
 
     def decide(self, request: GenerationRequest) -> bool:
         prefill, cached = self._pools.prefill(request.prompt_token_ids)
-        inputs = PDInputs(request.num_prompt_tokens, cached, prefill, self._pools.decode())
+        inputs = PDInputs(
+            request.num_prompt_tokens,
+            cached,
+            prefill,
+            self._pools.decode(),
+            no_prefill_engine=self._pools.serves_none("prefill"),
+        )
         decision = self.decider.decide(inputs)
         changed = self.last is None or self.last.reason != decision.reason
         decision_logger.log(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from control.keys import POOLS
 from control.records import RoleTable
 from engine.messages import ReplicaLoad
 from prefill_workers.replica import unique_id_of
@@ -57,6 +58,13 @@ class PoolView:
     def knows(self, pool: str) -> bool:
         """Whether any load of `pool` was seen (an empty report counts as seen)."""
         return pool in self._loads
+
+    def serves_none(self, role: str) -> bool:
+        """Known: both pools' loads were seen and no replica of either takes `role`'s calls
+        (not known until then: a pool not yet called has not been seen)."""
+        return all(self.knows(pool) for pool in POOLS) and not serving(
+            role, self._roles, self._loads
+        )
 
     def update(self, pool: str, loads: Iterable[ReplicaLoad | None]) -> None:
         """A routing call's loads of `pool`'s replicas (those that reported, and are healthy)."""

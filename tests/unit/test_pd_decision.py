@@ -212,3 +212,13 @@ def test_bad_settings_are_refused() -> None:
         LinearFit(window=1)
     with pytest.raises(ValueError, match="weight"):
         Mean(weight=0.0)
+
+
+def test_with_no_engine_serving_prefill_every_prompt_is_local_and_none_explores() -> None:
+    """The split lent every prefill engine to decoding (autoscaling/roles.py): a prompt that
+    would stall the streams, and the unfitted decider's exploring request, stay local."""
+    alone = PDInputs(4000, 0, None, PoolSnapshot(0, 8, 0.0), no_prefill_engine=True)
+    assert fitted(tpot_slo_s=0.105).decide(alone).path == "local"
+    unfitted = PDDecider(0.3)
+    decisions = [unfitted.decide(alone) for _ in range(2 * EXPLORE_EVERY)]
+    assert {(d.path, d.reason) for d in decisions} == {("local", "no engine serves prefill")}

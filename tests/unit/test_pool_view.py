@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from control.records import RoleTable
 from router.pd_decision import PoolSnapshot
 from router.pool_view import PoolView
 from router.prefix import PrefixIndex, block_hashes
@@ -42,3 +43,18 @@ def test_decode_is_the_replica_with_the_most_free_blocks() -> None:
     assert view.decode() == PoolSnapshot(30, 7, 0.5)
     view.update("decode", [])
     assert view.decode() is None
+
+
+def test_no_engine_serves_a_role_only_when_both_pools_were_seen_without_one() -> None:
+    view = PoolView(clock=lambda: NOW)
+    prefill = make_load(replica_id="prefill-a", updated_at=NOW)
+    decode = make_load(replica_id="decode-b", pool="decode", updated_at=NOW)
+    view.update("decode", [decode])
+    assert not view.serves_none("prefill")  # the prefill pool not seen yet: not known
+    view.update("prefill", [prefill])
+    assert not view.serves_none("prefill") and not view.serves_none("decode")
+    view.set_roles(RoleTable(1, {"prefill-a": "decode"}))  # the split lent it
+    assert view.serves_none("prefill") and view.prefill([1, 2]) == (None, 0)
+    assert not view.serves_none("decode")
+    view.set_roles(RoleTable(2, {}))  # taken back
+    assert not view.serves_none("prefill")
