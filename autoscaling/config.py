@@ -57,8 +57,15 @@ class AutoscalingConfig:
     # Between scale events, flip engines so the split follows the measured prefill share of the
     # work (autoscaling/roles.py plan_split; needs flip_first).
     split_follows_work: bool = True
+    # The fewest engines the split keeps serving prefill: 0 lends the last one to decoding
+    # while the router keeps every prompt local (an adaptive router only: deploy/config.py).
+    split_min_prefill_engines: int = 1
 
     def __post_init__(self) -> None:
+        if self.split_min_prefill_engines not in (0, 1):
+            raise ValueError(
+                f"split_min_prefill_engines must be 0 or 1, got {self.split_min_prefill_engines}"
+            )
         if not 0 < self.percentile <= 100:
             raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
         for name in ("window_s", "tick_s"):

@@ -24,6 +24,14 @@ share by a whole replica or more takes one by a flip: its own lent replica back 
 other pool's last one serving the other role, when the other role keeps two or more and stays
 within its target with one fewer. A whole replica, not a rounding, is the hysteresis: after the
 flip the other side is short by less than one, so it does not flip back at the same work.
+
+With `min_prefill_engines` 0 (an adaptive router, which prefills every prompt on its decode
+engine when no engine serves prefill) the split can lend the last prefill engine too: the
+decode pool takes it when it is near idle (its prefill work under `min_load`: the router keeps
+the prompts local) and the prompts computed on the decode engines (`Work.local_prefill`) come
+to less than half an engine. The way back: when those local prompts come to a whole engine's
+worth, the prefill pool takes one back (its own lent engine first). Between a half and a whole
+engine nothing flips, the hysteresis.
 """
 
 from __future__ import annotations
@@ -35,7 +43,12 @@ from typing import NamedTuple
 
 from autoscaling.config import AutoscalingConfig
 from control.records import DecisionRecord, RoleTable
-from engine.autoscaling_stats import BUSY_FRACTION, KV_CACHE_USAGE, TPOT_P95_S
+from engine.autoscaling_stats import (
+    BUSY_FRACTION,
+    KV_CACHE_USAGE,
+    LOCAL_PREFILL_BUSY_FRACTION,
+    TPOT_P95_S,
+)
 
 OTHER_POOL = {"prefill": "decode", "decode": "prefill"}
 
@@ -109,21 +122,29 @@ def plan_role_change(
     )
 
 
-WORK_INPUTS = ("work_prefill", "work_decode")  # their names in a pool's DecisionRecord inputs
+# Their names in a pool's DecisionRecord inputs.
+WORK_INPUTS = ("work_prefill", "work_decode", "work_local_prefill")
+# The split's way back from no prefill engine: local prompts of a whole engine's worth; and
+# its way there: under half of one (between them the hysteresis).
+LOCAL_PREFILL_RETURN = 1.0
+LOCAL_PREFILL_RELEASE = 0.5
 
 
 class Work(NamedTuple):
     """Work in replicas' worth at the policy's targets: prefill, busy time over
-    `target_utilization`; decode, the larger of TPOT P95 over `slo_headroom` x the TPOT SLO and
-    KV usage over `kv_usage_target` (what the decode policy scales on, linear in load)."""
+    `target_utilization` (prompts computed for other engines); decode, the larger of TPOT P95
+    over `slo_headroom` x the TPOT SLO and KV usage over `kv_usage_target` (what the decode
+    policy scales on, linear in load); local_prefill, busy time computing prompts an engine
+    then decodes itself, over `target_utilization` (the router's local prefills)."""
 
     prefill: float = 0.0
     decode: float = 0.0
+    local_prefill: float = 0.0
 
     def __add__(self, other: object) -> Work:
         if not isinstance(other, Work):
             return NotImplemented
-        return Work(self.prefill + other.prefill, self.decode + other.decode)
+        return Work(*(mine + theirs for mine, theirs in zip(self, other, strict=True)))
 
     def as_inputs(self) -> dict[str, float]:
         """As a DecisionRecord's inputs hold it (`work_from_inputs` reads it back)."""
@@ -145,12 +166,17 @@ def replica_work(
         number = metrics.get(key, 0.0)
         return number if isinstance(number, int | float) and math.isfinite(number) else 0.0
 
-    busy = min(max(value(BUSY_FRACTION), 0.0), 1.0)
+    def fraction(key: str) -> float:
+        return min(max(value(key), 0.0), 1.0)
+
     tpot_s = max(value(TPOT_P95_S), 0.0)
-    kv = min(max(value(KV_CACHE_USAGE), 0.0), 1.0)
     return Work(
-        busy / config.target_utilization,
-        max(tpot_s / (config.slo_headroom * tpot_slo_s), kv / config.kv_usage_target),
+        fraction(BUSY_FRACTION) / config.target_utilization,
+        max(
+            tpot_s / (config.slo_headroom * tpot_slo_s),
+            fraction(KV_CACHE_USAGE) / config.kv_usage_target,
+        ),
+        fraction(LOCAL_PREFILL_BUSY_FRACTION) / config.target_utilization,
     )
 
 
@@ -161,10 +187,12 @@ def pool_work(
 
 
 def work_from_inputs(inputs: Mapping[str, float]) -> Work | None:
-    """A pool's work as its DecisionRecord holds it; None when the record has none."""
-    if not all(name in inputs for name in WORK_INPUTS):
+    """A pool's work as its DecisionRecord holds it; None when the record has none (a record
+    from before local prefills were counted has none of them)."""
+    prefill, decode, local = WORK_INPUTS
+    if prefill not in inputs or decode not in inputs:
         return None
-    return Work(*(inputs[name] for name in WORK_INPUTS))
+    return Work(inputs[prefill], inputs[decode], inputs.get(local, 0.0))
 
 
 def plan_split(
@@ -177,14 +205,15 @@ def plan_split(
     last_flip_s: float | None,
     min_interval_s: float,
     min_load: float,
+    min_prefill_engines: int = 1,
 ) -> RoleChange | None:
     """The flip that moves one engine to `pool`'s role when the app's `work` asks for a whole
     replica more of it there (the pool keeps `current_replicas`); None to leave the split.
     `replicas`: each pool's live worker ids; `min_load`: below this work per engine serving its
-    role, a pool takes none (near idle, the share is noise)."""
-    share = work.prefill_share
-    if share is None:
-        return None
+    role, a pool takes none (near idle, the share is noise). `min_prefill_engines` 0 lets the
+    split lend the last prefill engine and take one back (the module's doc)."""
+    if min_prefill_engines not in (0, 1):
+        raise ValueError(f"min_prefill_engines must be 0 or 1, got {min_prefill_engines}")
     if last_flip_s is not None and now_s - last_flip_s < min_interval_s:
         return None
     other = OTHER_POOL[pool]
@@ -192,7 +221,14 @@ def plan_split(
     engines = [w for ids in live.values() for w in ids]
     serving = {role: sum(table.role_of(w) == role for w in engines) for role in OTHER_POOL}
     total = len(engines)
-    if total < 2 or serving[pool] == 0 or serving[other] < 2:
+    if total < 2:
+        return None
+    if min_prefill_engines == 0:
+        why = _all_local_or_back(pool, work, serving, min_load)
+        if why is not None:
+            return _flip_one(pool, current_replicas, why, table, live)
+    share = work.prefill_share
+    if share is None or serving[pool] == 0 or serving[other] < 2:
         return None
     own_share = share if pool == "prefill" else 1.0 - share
     wanted = min(max(total * own_share, 1.0), total - 1.0)
@@ -206,6 +242,44 @@ def plan_split(
         f"split: prefill share {share:.2f} of the work asks for {wanted:.1f} of {total} engines "
         f"serving {pool}, {serving[pool]} do"
     )
+    return _flip_one(pool, current_replicas, why, table, live)
+
+
+def _all_local_or_back(
+    pool: str, work: Work, serving: Mapping[str, int], min_load: float
+) -> str | None:
+    """Why `pool` takes an engine across the no-prefill-engine line (the module's doc), or
+    None: the decode pool lends the last prefill engine to decoding, the prefill pool takes
+    one back."""
+    if pool == "decode" and serving["prefill"] == 1 and serving["decode"] >= 1:
+        if work.prefill >= min_load or work.local_prefill >= LOCAL_PREFILL_RELEASE:
+            return None
+        if work.decode / serving["decode"] < min_load:
+            return None  # near idle: one more decoding engine gains nothing
+        return (
+            f"split: the prefill engine is near idle ({work.prefill:.2f} of an engine's work) "
+            f"and local prompts come to {work.local_prefill:.2f} engines: every prompt local"
+        )
+    if pool == "prefill" and serving["prefill"] == 0 and serving["decode"] >= 2:
+        if work.local_prefill < LOCAL_PREFILL_RETURN:
+            return None
+        return (
+            f"split: no engine serves prefill and local prompts come to "
+            f"{work.local_prefill:.2f} engines' work"
+        )
+    return None
+
+
+def _flip_one(
+    pool: str,
+    current_replicas: int,
+    why: str,
+    table: RoleTable,
+    live: Mapping[str, Sequence[str]],
+) -> RoleChange:
+    """One engine to `pool`'s role: its own lent engine back first, else the other pool's last
+    one serving the other role."""
+    other = OTHER_POOL[pool]
     lent = [w for w in live.get(pool, ()) if table.role_of(w) != pool]
     if lent:
         return RoleChange(current_replicas, f"{why}: recalls {lent[0]}", lent[0], pool)

@@ -159,7 +159,9 @@ class PoolAutoscaler:
         if self.config.flip_first and control.pin is None:
             if decision.is_scale_event:
                 decision = self._flip_first(decision, state, now_s)
-            elif self.config.split_follows_work:
+            # A scale event the flips turned into a hold (a pool whose lent engine is its
+            # spare) still follows the work: at no prefill engine that pool would shrink.
+            if not decision.is_scale_event and self.config.split_follows_work:
                 decision = self._follow_work(decision, work, state, now_s)
         reason = (
             decision.reason if control.error is None else f"{decision.reason} [{control.error}]"
@@ -237,6 +239,7 @@ class PoolAutoscaler:
             state.get(LAST_FLIP_STATE_KEY),
             min_interval_s=self._flip_interval_s,
             min_load=self.config.downscale_utilization,
+            min_prefill_engines=self.config.split_min_prefill_engines,
         )
         if change is None or change.replica is None or not self._flipped(change, state, now_s):
             return decision

@@ -15,12 +15,17 @@ from typing import ClassVar
 
 from decode_workers.metrics import TransferMetrics
 from decode_workers.worker import EngineWorker
-from engine.autoscaling_stats import DecodeWindow, PrefillWindow
+from engine.autoscaling_stats import (
+    BUSY_FRACTION,
+    LOCAL_PREFILL_BUSY_FRACTION,
+    DecodeWindow,
+    PrefillWindow,
+)
 from engine.intervals import in_intervals
 from engine.messages import GenerationRequest, KVHandoff, PrefillResult, TokenEvent
 from engine.stats import KVLoadCounts
 from kv_transfer.endpoint import served_transfer_settings
-from prefill_workers.replica import PendingPrefill, ReplicaSettings, ReplicaShell
+from prefill_workers.replica import ReplicaSettings, ReplicaShell
 
 
 class EngineServer(ReplicaShell):
@@ -36,12 +41,13 @@ class EngineServer(ReplicaShell):
         self._transfer_metrics = TransferMetrics(settings.app, self._worker.backend.name)
         self._prefill_window = PrefillWindow(settings.window_s, settings.percentile)
         self._decode_window = DecodeWindow(settings.window_s, settings.percentile)
-        self._pending = PendingPrefill()  # the requests it prefills for itself
+        # The prompts it computes for itself (`generate`): their pending tokens and busy time.
+        self._local_window = PrefillWindow(settings.window_s, settings.percentile)
         self._stream_interval = settings.stream_interval
 
     @property
     def num_pending_prefill_tokens(self) -> int:
-        return self._prefill_window.num_pending_tokens + self._pending.num_tokens
+        return self._prefill_window.num_pending_tokens + self._local_window.num_pending_tokens
 
     def on_stats_tick(self) -> None:
         # Periodic (routing-stats period): export the KV transfers and loads since the last tick.
@@ -78,9 +84,27 @@ class EngineServer(ReplicaShell):
     ) -> AsyncIterator[TokenEvent]:
         """The whole request here, prefill included (the router's choice of local prefill, or
         when no prefill replica could take it); the first event carries the first token."""
-        events = self._pending.counted(request.num_prompt_tokens, self._worker.generate(request))
+        events = self._local_prefill(request.num_prompt_tokens, self._worker.generate(request))
         async for event in in_intervals(self._timed(events), self._stream_interval):
             yield event
+
+    async def _local_prefill(
+        self, num_tokens: int, events: AsyncIterator[TokenEvent]
+    ) -> AsyncIterator[TokenEvent]:
+        """`events`, with the prompt counted in the local window: pending until the first
+        event, then its compute as busy time (aborted when the stream ends without one)."""
+        token: int | None = self._local_window.request_started(num_tokens)
+        try:
+            async for event in events:
+                if token is not None and event.is_first:
+                    self._local_window.request_finished(
+                        token, queue_wait_s=0.0, compute_s=max(event.prefill_seconds, 0.0)
+                    )
+                    token = None
+                yield event
+        finally:
+            if token is not None:
+                self._local_window.request_aborted(token)
 
     async def _timed(self, events: AsyncIterator[TokenEvent]) -> AsyncIterator[TokenEvent]:
         # TPOT of this request on this replica: from its first decoded token to its last.
@@ -108,8 +132,13 @@ class EngineServer(ReplicaShell):
         calls the engine takes, so a policy also sees what its engines do for the other role
         (the split follows the work: autoscaling/roles.py)."""
         latest = self._worker.stats.latest
-        return self._prefill_window.report() | self._decode_window.report(
-            latest.num_running, latest.num_waiting, latest.kv_cache_usage
+        local = self._local_window.report()[BUSY_FRACTION]
+        return (
+            self._prefill_window.report()
+            | self._decode_window.report(
+                latest.num_running, latest.num_waiting, latest.kv_cache_usage
+            )
+            | {LOCAL_PREFILL_BUSY_FRACTION: local}
         )
 
 

@@ -316,6 +316,12 @@ class AutoscalingSection(_Strict):
         description="between scale events, flip engines between the pools' roles so the "
         "split follows the measured prefill share of the work (with flip_first)",
     )
+    split_min_prefill_engines: Literal[0, 1] = Field(
+        1,
+        description="the fewest engines the split keeps serving prefill; 0 lends the last one "
+        "to decoding while the prompts computed locally come to under half an engine, and "
+        "takes one back at a whole engine (needs router.adaptive_prefill)",
+    )
 
     def policy_config(self) -> AutoscalingConfig:
         return replace(
@@ -328,6 +334,7 @@ class AutoscalingSection(_Strict):
             downscale_cooldown_s=self.downscale_cooldown_s,
             flip_first=self.flip_first,
             split_follows_work=self.split_follows_work,
+            split_min_prefill_engines=self.split_min_prefill_engines,
         )
 
     @property
@@ -444,6 +451,15 @@ class AppConfig(_Strict):
         if self.router.adaptive_itl_s is not None and self.router.adaptive_stall_budget != "token":
             raise ValueError(
                 "router.adaptive_itl_s bounds one gap: it needs router.adaptive_stall_budget: token"
+            )
+        if (
+            self.topology == "disaggregated"
+            and self.autoscaling.split_min_prefill_engines == 0
+            and not self.router.adaptive_prefill
+        ):
+            raise ValueError(
+                "autoscaling.split_min_prefill_engines: 0 leaves no engine to prefill remotely: "
+                "it needs router.adaptive_prefill, which then computes every prompt locally"
             )
         if self.engine.block_size is not None and self.engine.block_size < 1:
             raise ValueError("engine.block_size must be >= 1")

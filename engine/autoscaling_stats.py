@@ -57,6 +57,10 @@ NUM_RUNNING = "num_running"
 NUM_WAITING = "num_waiting"
 KV_CACHE_USAGE = "kv_cache_usage"
 DECODE_METRIC_KEYS = (TPOT_P95_S, NUM_RUNNING, NUM_WAITING, KV_CACHE_USAGE)
+# An engine's busy fraction computing prompts it then decodes itself (the router's local
+# prefills), beside BUSY_FRACTION (prompts computed for other engines): the split's signal
+# (autoscaling/roles.py), which no policy requires.
+LOCAL_PREFILL_BUSY_FRACTION = "local_prefill_busy_fraction"
 
 
 class TimedSample(NamedTuple):

@@ -99,8 +99,8 @@ def prefilled_locally(prefill_replica: str, decode_replica: str) -> bool:
 
 class PendingPrefill:
     """Prompt tokens accepted and not yet prefilled by a replica whose streams prefill too (the
-    colocated pool, and decode replicas prefilling for themselves): a request's tokens count
-    from its call until its first event, or until it ends without one."""
+    colocated pool; an engine of the KV pools counts its own in a PrefillWindow): a request's
+    tokens count from its call until its first event, or until it ends without one."""
 
     def __init__(self) -> None:
         self.num_tokens = 0

@@ -337,12 +337,14 @@ def autoscaled_sim_config(
     redis_server: RedisServer,
     replicas: tuple[int, int] = (1, 1),
     min_replicas: int = 1,
+    router: dict[str, Any] | None = None,
     **autoscaling: float | bool,
 ) -> AppConfig:
     """A disaggregated sim app whose pools autoscale between `min_replicas` and 2 replicas
     (starting at `replicas`, prefill and decode) on a 1 s tick and a 5 s window, with the SLO
-    and other knobs given."""
+    and other knobs given (and `router` settings over the sim app's)."""
     data = sim_config(name, "disaggregated").model_dump()
+    data["router"] |= router or {}
     for pool, num_replicas in zip(("prefill", "decode"), replicas, strict=True):
         data[pool] |= {
             "num_replicas": num_replicas,
@@ -497,40 +499,105 @@ SPLIT_APP = "sim-split"
 def split_app(serve_proxy: ServeProxy, redis_server: RedisServer) -> Iterator[ServedApp]:
     """A sim app of 2 prefill and 2 decode replicas, each pool held at 2 (so no pool starts or
     stops one), whose TPOT target (50 ms) is below the profile's decode step (59 ms): decoding
-    is over a whole replica's worth of work per engine."""
+    is over a whole replica's worth of work per engine. Its router decides each prompt's path
+    (adaptive prefill) and its split may lend every prefill engine to decoding."""
     config = autoscaled_sim_config(
-        SPLIT_APP, redis_server, replicas=(2, 2), min_replicas=2, ttft_p95_s=60.0, tpot_p95_s=0.05
+        SPLIT_APP,
+        redis_server,
+        replicas=(2, 2),
+        min_replicas=2,
+        router={"adaptive_prefill": True},
+        ttft_p95_s=60.0,
+        tpot_p95_s=0.05,
+        split_min_prefill_engines=0,
     )
     with deployed("split", config, serve_proxy) as app:
         yield app
 
 
 def test_the_split_follows_the_work_live(split_app: ServedApp, redis_server: RedisServer) -> None:
-    """Issue 16 item 3, live: under decode-heavy load (6 streams of 80 tokens after 4-token
-    prompts) the prefill share of the work is near 0, so the decode policy moves one prefill
-    engine to decode calls by a flip (2:2 -> 1:3), that engine then decodes requests, and no
-    second flip follows (one engine keeps prefill)."""
+    """Issue 16 item 3, live, to no prefill engine and back:
+    - under decode-heavy load (6 streams of 80 tokens after 4-token prompts, which the router
+      keeps local) the prefill share is near 0: the decode policy moves one prefill engine to
+      decode calls by the share (2:2 -> 1:3), then the last, near idle (1:3 -> 0:4);
+    - at 0:4 every prompt is computed on its decode engine, and those engines decode;
+    - long prompts (about 400 tokens, 0.7 s each computed locally) then come to over a
+      whole engine's work: the prefill policy takes one of its engines back (0:4 -> 1:3).
+    No replica starts or stops throughout."""
+    import itertools
+    import re
+    import threading
+
     from control.sync_store import SyncControlStore
 
     def flipped() -> dict[str, str]:
         with SyncControlStore.connect(redis_server.url, SPLIT_APP) as store:
             return dict(store.role_table().flipped)
 
+    def decisions(pool: str) -> list[Any]:
+        with SyncControlStore.connect(redis_server.url, SPLIT_APP) as store:
+            return store.recent_decisions(200, pool=pool)
+
     assert (_running("Prefill", SPLIT_APP), _running("Decode", SPLIT_APP)) == (2, 2)
     with decode_heavy_streams(split_app, "split") as decoded_on:
         wait_for("a flip of the split", lambda: bool(flipped()), timeout_s=120)
-        ((moved, role),) = flipped().items()
-        assert moved.startswith("prefill-") and role == "decode"
+        (first,) = flipped()
+        assert first.startswith("prefill-") and flipped()[first] == "decode"
+        wait_for("no engine serving prefill", lambda: len(flipped()) == 2, timeout_s=60)
+        assert set(flipped().values()) == {"decode"}
         decoded_on.clear()
-        time.sleep(12.0)  # several ticks and flip intervals (3 s) under the same load
-        assert flipped() == {moved: "decode"}  # no flip back, no second one
-    assert moved in decoded_on, decoded_on
-    with SyncControlStore.connect(redis_server.url, SPLIT_APP) as store:
-        decode = store.recent_decisions(100, pool="decode")
-    splits = [d for d in decode if d.reason.startswith("split: prefill share")]
-    assert len(splits) == 1 and f"borrows {moved} from prefill" in splits[0].reason, decode
-    # The decode pool's own engines: over a replica's worth of decode, next to no prefill.
-    inputs = splits[0].inputs
-    assert inputs["work_decode"] > 1.0 and inputs["work_prefill"] < 0.1, inputs
-    assert all(d.target_replicas == 2 for d in decode), decode
+        with split_app.client() as client:
+            alone = [collect(client.generate(f"alone {i}", max_tokens=4)) for i in range(6)]
+        # Both prefill engines decode (streams of 80 tokens take about 5 s).
+        wait_for("both lent engines to decode", lambda: set(flipped()) <= decoded_on, 30)
+    # With no engine serving prefill each prompt was computed on its decode engine, no KV
+    # moved.
+    assert all(d.timings.prefill_replica == d.timings.decode_replica for d in alone), [
+        d.timings for d in alone
+    ]
+    assert all(d.timings.kv_transfer_s == 0 for d in alone)
+    decode = decisions("decode")
+    splits = [d for d in decode if d.reason.startswith("split:")]
+    assert [d.reason.split(":")[1].strip().split(" ")[0] for d in reversed(splits)] == [
+        "prefill",  # "split: prefill share ..."
+        "the",  # "split: the prefill engine is near idle ..."
+    ], decode
+    share, last = splits[-1].inputs, splits[0].inputs
+    assert share["work_decode"] > 1.0 and share["work_prefill"] < 0.1, share
+    assert last["work_prefill"] < 0.4 and last["work_local_prefill"] < 0.5, last
+
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def long_prompts(i: int) -> None:
+        try:
+            with split_app.client() as client:
+                for n in itertools.count():
+                    if stop.is_set():
+                        break
+                    # Its own first token: no block of it is a prefix-cache hit.
+                    prompt = f"long {i} {n}: " + "hello " * 100  # 407 tokens
+                    collect(client.generate(prompt, max_tokens=2, ignore_eos=True))
+        except BaseException as exc:
+            errors.append(exc)
+
+    load = [threading.Thread(target=long_prompts, args=(i,), daemon=True) for i in range(4)]
+    for thread in load:
+        thread.start()
+    try:
+        wait_for("a prefill engine back", lambda: len(flipped()) == 1, timeout_s=60)
+    finally:
+        stop.set()
+        for thread in load:
+            thread.join(timeout=60)
+    assert not errors, errors[:1]
+    (still_lent,) = flipped()
+    assert flipped()[still_lent] == "decode"
+    backs = [d for d in decisions("prefill") if "no engine serves prefill" in d.reason]
+    assert len(backs) == 1 and "recalls prefill-" in backs[0].reason, backs
+    # The app's local prompts (both pools' engines; the record holds its own pool's part).
+    local = re.search(r"local prompts come to ([0-9.]+) engines", backs[0].reason)
+    assert local is not None and float(local.group(1)) >= 1.0, backs[0].reason
+    assert 0 < backs[0].inputs["work_local_prefill"] <= float(local.group(1))
+    assert all(d.target_replicas == 2 for d in decisions("decode") + decisions("prefill"))
     assert (_running("Prefill", SPLIT_APP), _running("Decode", SPLIT_APP)) == (2, 2)

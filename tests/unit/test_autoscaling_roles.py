@@ -15,7 +15,12 @@ from autoscaling.roles import (
     work_from_inputs,
 )
 from control.records import DecisionRecord, RoleTable
-from engine.autoscaling_stats import BUSY_FRACTION, KV_CACHE_USAGE, TPOT_P95_S
+from engine.autoscaling_stats import (
+    BUSY_FRACTION,
+    KV_CACHE_USAGE,
+    LOCAL_PREFILL_BUSY_FRACTION,
+    TPOT_P95_S,
+)
 
 NOW = 1_700_000_000.0
 REPLICAS = {"prefill": ["prefill-p1"], "decode": ["decode-d1", "decode-d2"]}
@@ -115,6 +120,10 @@ def test_replica_work_is_in_replicas_at_the_policy_targets() -> None:
     assert both == pytest.approx(Work(1.5, 0.5))
     assert work_from_inputs({"work_prefill": 1.5, "work_decode": 0.5}) == Work(1.5, 0.5)
     assert work_from_inputs({"work_prefill": 1.5}) is None
+    # Local prefills are their own part, read back from the record's inputs.
+    local = replica_work({LOCAL_PREFILL_BUSY_FRACTION: 0.6}, 0.3, config)
+    assert local == pytest.approx(Work(0.0, 0.0, 0.75))
+    assert work_from_inputs((both + local).as_inputs()) == pytest.approx(Work(1.5, 0.5, 0.75))
 
 
 def test_a_decode_heavy_app_moves_one_prefill_engine_to_decode_and_stays() -> None:
@@ -149,3 +158,49 @@ def test_a_pool_short_of_its_share_recalls_its_lent_engine_first() -> None:
     assert change is not None
     assert (change.replica, change.role) == ("prefill-p2", "prefill")
     assert "recalls prefill-p2" in change.reason
+
+
+# min_prefill_engines 0: the split may lend the last prefill engine (1:3 -> 0:4) and take one
+# back. In 1:3 prefill-p2 serves decode.
+ONE_TO_THREE = RoleTable(1, {"prefill-p2": "decode"})
+ZERO_TO_FOUR = RoleTable(2, {"prefill-p1": "decode", "prefill-p2": "decode"})
+
+
+def test_the_last_prefill_engine_goes_to_decoding_only_when_allowed_idle_and_prompts_few() -> None:
+    quiet = Work(prefill=0.1, decode=2.4, local_prefill=0.3)
+    assert split("decode", quiet, table=ONE_TO_THREE) is None  # the default keeps one
+    change = split("decode", quiet, table=ONE_TO_THREE, min_prefill_engines=0)
+    assert change is not None
+    assert (change.replica, change.role, change.target_replicas) == ("prefill-p1", "decode", 2)
+    assert "every prompt local" in change.reason and "borrows prefill-p1" in change.reason
+    for busy in (
+        Work(prefill=0.5, decode=2.4, local_prefill=0.3),  # remote prefill is used
+        Work(prefill=0.1, decode=2.4, local_prefill=0.5),  # local prompts at half an engine
+        Work(prefill=0.1, decode=1.0, local_prefill=0.3),  # decode near idle: nothing to gain
+    ):
+        assert split("decode", busy, table=ONE_TO_THREE, min_prefill_engines=0) is None, busy
+    # Two prefill engines: the share rule, not this one, moves the first.
+    assert "prefill share" in split("decode", quiet, min_prefill_engines=0).reason
+
+
+def test_with_no_prefill_engine_a_whole_engine_of_local_prompts_takes_one_back() -> None:
+    def back(local: float, **kw: object):  # type: ignore[no-untyped-def]
+        work = Work(prefill=0.0, decode=3.0, local_prefill=local)
+        args = {"table": ZERO_TO_FOUR, "min_prefill_engines": 0} | kw
+        return split("prefill", work, **args)
+
+    change = back(1.0)
+    assert change is not None
+    assert (change.replica, change.role) == ("prefill-p1", "prefill")
+    assert "no engine serves prefill" in change.reason and "recalls prefill-p1" in change.reason
+    # Between half an engine and a whole one, neither side flips (the hysteresis).
+    assert back(0.7) is None
+    work = Work(prefill=0.0, decode=3.0, local_prefill=0.7)
+    assert split("decode", work, table=ZERO_TO_FOUR, min_prefill_engines=0) is None
+    assert back(2.0, last_flip_s=NOW - 10) is None  # at most one flip per interval
+    # With no prefill-pool replica to recall, it borrows the decode pool's last engine.
+    decode_only = {"decode": ["decode-d1", "decode-d2", "decode-d3"]}
+    change = back(1.0, table=RoleTable(), replicas=decode_only)
+    assert change is not None and (change.replica, change.role) == ("decode-d3", "prefill")
+    with pytest.raises(ValueError, match="min_prefill_engines"):
+        back(1.0, min_prefill_engines=2)

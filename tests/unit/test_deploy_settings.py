@@ -106,6 +106,17 @@ def test_adaptive_prefill_keeps_the_tpot_slo_and_excludes_the_threshold() -> Non
     )
     with pytest.raises(ValueError, match=r"router.adaptive_itl_s .*adaptive_stall_budget: token"):
         make_config(router={"adaptive_prefill": True, "adaptive_itl_s": 0.05})
+    # A split that may lend every prefill engine needs the router that then prefills locally.
+    none = {"window_s": 20, "percentile": 90, "split_min_prefill_engines": 0}
+    lendable = make_config(router={"adaptive_prefill": True}, autoscaling=none)
+    assert lendable.autoscaling.policy_config().split_min_prefill_engines == 0
+    assert make_config().autoscaling.policy_config().split_min_prefill_engines == 1
+    with pytest.raises(ValueError, match=r"split_min_prefill_engines: 0 .*adaptive_prefill"):
+        make_config(autoscaling=none)
+    with pytest.raises(ValueError, match=r"split_min_prefill_engines"):
+        make_config(
+            router={"adaptive_prefill": True}, autoscaling=none | {"split_min_prefill_engines": 2}
+        )
 
 
 @pytest.mark.parametrize("topology", ["disaggregated", "colocated"])
