@@ -11,7 +11,10 @@ moved over the profile's link. The candidates for N engines:
   decode engines;
 - `adaptive P:D`: the same pools, each prompt where router/pd_decision.py's decider puts it
   (the router's `adaptive_prefill`, learning its rates from the modelled requests as the
-  router does from real ones).
+  router does from real ones). `adaptive 0:N` is where a split that may lend every prefill
+  engine (`autoscaling.split_min_prefill_engines: 0`) sits while the prompts computed locally
+  are few: the decider computes each prompt on its decode engine, so the run is colocated's.
+  The model holds each split fixed; the live autoscaler moves between them (roles.py).
 
 A candidate's goodput is the highest Poisson rate at which at least `attainment` of the
 requests meet both the TTFT and the TPOT SLO (DistServe's definition), and the ITL SLO where
@@ -37,7 +40,7 @@ import itertools
 import math
 import random
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from deploy.config import AppConfig
@@ -100,10 +103,16 @@ def candidates(
     if num_engines < 1:
         raise ValueError(f"engines must be >= 1, got {num_engines}")
     found = [Candidate("colocated", 0, num_engines, width, chunk_budget)]
-    for kind in ("disaggregated", "adaptive"):
-        found += [
-            Candidate(kind, p, num_engines - p, width, chunk_budget) for p in range(1, num_engines)
-        ]
+    found += [
+        Candidate("disaggregated", p, num_engines - p, width, chunk_budget)
+        for p in range(1, num_engines)
+    ]
+    # Adaptive from 0:N, every engine decoding and the router computing every prompt locally
+    # (what `autoscaling.split_min_prefill_engines: 0` lends the prefill engines back to).
+    found += [
+        Candidate("adaptive", p, num_engines - p, width, chunk_budget)
+        for p in range(0 if num_engines > 1 else 1, num_engines)
+    ]
     return found
 
 
@@ -211,7 +220,12 @@ class Plan:
                 f"({highest.goodput / colocated.goodput:.2f}x), under the {self.min_gain:g}x a "
                 "split must gain to be picked"
             )
-        others = [r for r in self.results if r is not best]
+        # Adaptive 0:N is colocated's run again: never the next best of its colocated.
+        others = [
+            r
+            for r in self.results
+            if r is not best and (r.candidate.kind, r.candidate.num_prefill) != ("adaptive", 0)
+        ]
         text = f"{best.candidate.name} serves {best.goodput:.3g} req/s {slo}"
         if others:
             runner_up = max(others, key=lambda r: r.goodput)
@@ -281,16 +295,21 @@ def plan(
             f"engines' max_model_len {shape.max_model_len}"
         )
     slo = workload.slo
-    results = [
-        _goodput(
-            AppModel(candidate, sized[width], link, shape, slo.ttft_s, slo.tpot_s, slo.itl_s),
-            trace,
-            attainment,
-        )
-        for width in sorted(sized)
-        for budget in (tuple(chunk_budgets) or (None,))
-        for candidate in candidates(num_engines // width, width, budget)
-    ]
+    results: list[CandidatePlan] = []
+    for width in sorted(sized):
+        for budget in tuple(chunk_budgets) or (None,):
+            colocated, *splits = candidates(num_engines // width, width, budget)
+            model = AppModel(
+                colocated, sized[width], link, shape, slo.ttft_s, slo.tpot_s, slo.itl_s
+            )
+            base = _goodput(model, trace, attainment)
+            results.append(base)
+            for candidate in splits:
+                if candidate.num_prefill == 0:  # adaptive 0:N runs as colocated: not run again
+                    results.append(replace(base, candidate=candidate))
+                else:
+                    model = replace(model, candidate=candidate)
+                    results.append(_goodput(model, trace, attainment))
     return Plan(
         workload.name,
         profile.name,
@@ -353,7 +372,7 @@ def resolve_auto(config: AppConfig) -> tuple[AppConfig, Plan | None]:
     data = config.model_dump()
     if best.chunk_budget is not None:
         data["engine"]["engine_kwargs"]["max_num_batched_tokens"] = best.chunk_budget
-    if best.kind == "colocated":
+    if best.kind == "colocated" or best.num_prefill == 0:  # adaptive 0:N runs as colocated
         data["topology"] = "colocated"
         _start_with(data["colocated"], best.num_decode, best.width)
     else:
@@ -639,12 +658,13 @@ class _Run:
         decode = self._least_loaded(self.decode)
         local = self.model.candidate.kind == "colocated"
         if self.decider is not None:
-            prefill = self._least_loaded(self.prefill)
+            prefill = self._least_loaded(self.prefill) if self.prefill else None
             inputs = PDInputs(
                 len(owner.prompt),
                 0,
-                PoolSnapshot(prefill.pending_prefill_tokens, 0, 0.0),
+                None if prefill is None else PoolSnapshot(prefill.pending_prefill_tokens, 0, 0.0),
                 PoolSnapshot(decode.pending_prefill_tokens, len(decode.scheduler.running), 0.0),
+                no_prefill_engine=prefill is None,
             )
             local = self.decider.decide(inputs).path == "local"
         owner.local = local

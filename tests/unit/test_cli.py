@@ -41,11 +41,11 @@ def test_plan_prints_each_candidate_and_the_pick(capsys: pytest.CaptureFixture[s
 
     assert main(["plan", "--workload", "long-prompt", "--tpot", "0.1", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    names = [r["candidate"]["kind"] for r in shown["results"]]
-    assert names == ["colocated", "disaggregated", "adaptive"]
+    names = [(r["candidate"]["kind"], r["candidate"]["num_prefill"]) for r in shown["results"]]
+    assert names == [("colocated", 0), ("disaggregated", 1), ("adaptive", 0), ("adaptive", 1)]
     assert shown["tpot_slo_s"] == 0.1 and shown["ttft_slo_s"] == 15.0
     assert shown["num_engines"] == 2 and shown["profile"] == "cpu-smollm2"
-    goodput = {r["candidate"]["kind"]: r["goodput"] for r in shown["results"]}
+    goodput = {r["candidate"]["kind"]: r["goodput"] for r in shown["results"][:3]}
     assert shown["pick"] == "disaggregated 1:1", goodput
     assert main(["plan", "--workload", "chat"]) == 0
     text = capsys.readouterr().out
@@ -53,7 +53,7 @@ def test_plan_prints_each_candidate_and_the_pick(capsys: pytest.CaptureFixture[s
     wide = ["plan", "--workload", "chat", "--wider", "2=cpu-smollm2-2c-fit", "--json"]
     assert main(wide) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert [r["candidate"]["width"] for r in shown["results"]] == [1, 1, 1, 2]
+    assert [r["candidate"]["width"] for r in shown["results"]] == [1, 1, 1, 1, 2]
     with pytest.raises(SystemExit):
         main(["plan", "--wider", "two=cpu-smollm2-2c-fit"])
     assert "expected N=PROFILE" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from deploy.plan import (
     CandidatePlan,
     EngineShape,
     Plan,
+    RunResult,
     Trace,
     candidates,
     format_plan,
@@ -99,6 +100,7 @@ def test_candidates_for_n_engines() -> None:
         "colocated x3",
         "disaggregated 1:2",
         "disaggregated 2:1",
+        "adaptive 0:3",
         "adaptive 1:2",
         "adaptive 2:1",
     ]
@@ -115,11 +117,28 @@ def test_candidates_for_n_engines() -> None:
         candidates(0)
 
 
+def test_adaptive_with_no_prefill_engine_runs_as_colocated() -> None:
+    """Adaptive 0:N (a split that lent every prefill engine to decoding): the decider computes
+    each prompt on its decode engine, so the run is colocated's to the request, and a plan
+    whose best is it starts the app colocated."""
+    chat = workload((64, 192), (32, 96), ttft=2.0, tpot=0.3)
+    trace = Trace.of(chat, duration_s=20, min_requests=30)
+
+    def run(candidate: Candidate) -> RunResult:
+        model = AppModel(candidate, CPU, load_link(CPU.default_link), CPU_SHAPE, 2.0, 0.3)
+        return model.run(trace, rate=1.5)
+
+    alone = run(Candidate("adaptive", 0, 2))
+    assert alone == run(Candidate("colocated", 0, 2))
+    assert alone.num_remote == 0 and alone.num_local == trace.num_requests(1.5)
+    assert run(Candidate("adaptive", 1, 1)).num_remote > 0  # with an engine to send them to
+
+
 def test_a_split_is_picked_only_for_min_gain_over_colocated() -> None:
     def planned(split_goodput: float) -> Plan:
         results = tuple(
             CandidatePlan(c, goodput, None)
-            for c, goodput in zip(candidates(2), (1.0, split_goodput, 0.5), strict=True)
+            for c, goodput in zip(candidates(2)[:3], (1.0, split_goodput, 0.5), strict=True)
         )
         return Plan("w", "p", 2, 1.0, 0.1, 0.9, results, min_gain=1.1)
 
@@ -262,7 +281,9 @@ def test_topology_auto_weighs_chunk_budgets_and_sets_the_pick_s(tmp_path: Path) 
     config, chosen = resolve_auto(AppConfig.model_validate(data))
     assert chosen is not None
     goodput = {r.candidate.name: r.goodput for r in chosen.results}
-    assert len(goodput) == 6, goodput
+    assert len(goodput) == 8, goodput
+    # Adaptive 0:2 is colocated's run (a split that lent its prefill engine), not a new one.
+    assert goodput["adaptive 0:2 chunk 128"] == goodput["colocated x2 chunk 128"], goodput
     assert goodput["colocated x2 chunk 128"] > 2 * goodput["colocated x2 chunk 4096"], goodput
     best = chosen.best.candidate
     assert best.chunk_budget in (128, 4096)
@@ -344,6 +365,7 @@ def test_wider_engines_are_weighed_and_the_pick_gets_their_cores(tmp_path: Path)
     assert names == [
         "colocated x2",
         "disaggregated 1:1",
+        "adaptive 0:2",
         "adaptive 1:1",
         "colocated x1 (2-wide)",
     ]
