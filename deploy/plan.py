@@ -43,8 +43,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from autoscaling.config import DEFAULT_CONFIG
 from deploy.config import AppConfig
 from deploy.workload import Workload, WorkloadSLO, load_workload
+from engine.autoscaling_stats import union_length
 from engine.sim.blocks import BlockPool
 from engine.sim.profile import Link, SimProfile, load_link, load_profile
 from engine.sim.scheduler import SimRequest, SimScheduler, Step
@@ -163,6 +165,10 @@ class RunResult:
     itl_p90_s: float  # the P90 over requests of each one's P99 gap
     num_local: int  # adaptive: prompts computed on their decode engine
     num_remote: int
+    # The local prompts' compute in engines' worth at the autoscaler's target utilization
+    # (what the live split reads as `work_local_prefill`, autoscaling/roles.py): each decode
+    # engine's union of its local prompts' compute over the run, summed.
+    local_prefill_work: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -235,22 +241,27 @@ class Plan:
 
 
 def format_plan(result: Plan) -> str:
-    """The candidates as a table, then the pick and why."""
+    """The candidates as a table, then the pick and why. An adaptive row's "local work" is its
+    local prompts' compute in engines' worth (`RunResult.local_prefill_work`): at 0:N, under
+    0.5 the live split stays there, at 1.0 or more it takes a prefill engine back."""
     lines = [
         f"plan for workload {result.workload} on {result.num_engines} engines, profile "
         f"{result.profile}: goodput = the highest Poisson rate at which "
         f"{result.attainment:.0%} of requests meet {result.slo_text()}",
         f"{'candidate':<30} {'goodput req/s':>13} {'TTFT P90 s':>10} {'TPOT P90 s':>10} "
-        f"{'ITL P90 s':>9} {'local:remote':>12}",
+        f"{'ITL P90 s':>9} {'local:remote':>12} {'local work':>10}",
     ]
     for r in result.results:
         at = r.at_goodput
         ttft = f"{at.ttft_p90_s:.3f}" if at else "-"
         tpot = f"{at.tpot_p90_s:.4f}" if at else "-"
         itl = f"{at.itl_p90_s:.4f}" if at else "-"
-        split = f"{at.num_local}:{at.num_remote}" if at and r.candidate.kind == "adaptive" else ""
+        adaptive = at is not None and r.candidate.kind == "adaptive"
+        split = f"{at.num_local}:{at.num_remote}" if at and adaptive else ""
+        local = f"{at.local_prefill_work:.2f}" if at and adaptive else ""
         lines.append(
-            f"{r.candidate.name:<30} {r.goodput:>13.3f} {ttft:>10} {tpot:>10} {itl:>9} {split:>12}"
+            f"{r.candidate.name:<30} {r.goodput:>13.3f} {ttft:>10} {tpot:>10} {itl:>9} "
+            f"{split:>12} {local:>10}"
         )
     lines.append(f"pick: {result.reason()}")
     return "\n".join(lines)
@@ -438,6 +449,7 @@ class _Req:
     last_token_at: float | None = None
     num_sent: int = 0  # tokens the client has
     local: bool = True
+    engine: int | None = None  # local: the index of the decode engine computing its prompt
     scheduled_at: float | None = None  # its prompt's first step began
     handoff_at: float | None = None  # remote: its KV left the prefill engine
     kv_loaded_at: float | None = None  # remote: the decode engine's first (dropped) sample
@@ -578,7 +590,23 @@ class _Run:
             nearest_rank(itls, 0.9),
             num_local,
             len(self.requests) - num_local,
+            self._local_prefill_work(),
         )
+
+    def _local_prefill_work(self) -> float:
+        """Engines' worth of local prompt compute (scheduled -> first token, as a live engine
+        times it), over the run from the first arrival to the last token."""
+        intervals: dict[int, list[tuple[float, float]]] = {}
+        for r in self.requests:
+            if r.local and r.engine is not None and r.first_token_at is not None:
+                start = r.scheduled_at if r.scheduled_at is not None else r.first_token_at
+                intervals.setdefault(r.engine, []).append((start, r.first_token_at))
+        ends = [r.last_token_at for r in self.requests if r.last_token_at is not None]
+        span = max(ends, default=0.0) - self.requests[0].arrival
+        if span <= 0:
+            return 0.0
+        busy = sum(union_length(spans) for spans in intervals.values())
+        return busy / span / DEFAULT_CONFIG.target_utilization
 
     def _engines(self) -> Iterator[_Engine]:
         yield from self.prefill
@@ -669,6 +697,7 @@ class _Run:
             local = self.decider.decide(inputs).path == "local"
         owner.local = local
         if local:
+            owner.engine = self.decode.index(decode)
             self._add(decode, owner, owner.num_output, None)
         else:
             self._add(self._least_loaded(self.prefill), owner, 1, None)

@@ -186,9 +186,9 @@ class PrefillWindow(_Window):
         self._expire(now)
         # Batched prefills overlap in time: busy time is the union of the intervals, so a
         # batch of two 1-second prefills is one busy second at twice the speed.
-        busy_s = _union_length((p.start_s, p.end_s) for p in self._prefilled)
+        busy_s = union_length((p.start_s, p.end_s) for p in self._prefilled)
         window_start = now - self.window_s
-        busy_in_window_s = _union_length(
+        busy_in_window_s = union_length(
             (max(p.start_s, window_start), p.end_s) for p in self._prefilled
         )
         # A replica younger than the window has not been idle before it existed.
@@ -247,7 +247,7 @@ def _expire(items: deque[T], start_s: float, at: Callable[[T], float]) -> None:
         items.popleft()
 
 
-def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     """Total length covered by (start, end) intervals; empty ones count nothing."""
     merged_s = 0.0
     current: tuple[float, float] | None = None

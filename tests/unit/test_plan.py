@@ -134,6 +134,20 @@ def test_adaptive_with_no_prefill_engine_runs_as_colocated() -> None:
     assert run(Candidate("adaptive", 1, 1)).num_remote > 0  # with an engine to send them to
 
 
+def test_local_prefill_work_is_the_local_prompts_compute_in_engines_worth() -> None:
+    """One request alone on adaptive 0:1: its prompt's step over the run (its arrival to its
+    last token), at the autoscaler's target utilization (0.8): what the live split reads."""
+    trace = Trace(((100, 10),), (0.0,), 0, duration_s=1.0, min_requests=1)
+    model = AppModel(Candidate("adaptive", 0, 1), PROFILE, LINK, SHAPE, 60.0, 1.0)
+    result = model.run(trace, rate=1.0)
+    prefill = PROFILE.step_seconds([(0, 100)], [])
+    span = prefill + sum(PROFILE.step_seconds([], [100 + i]) for i in range(1, 10))
+    assert result.local_prefill_work == pytest.approx(prefill / span / 0.8, rel=1e-6)
+    split = AppModel(Candidate("adaptive", 1, 1), PROFILE, LINK, SHAPE, 60.0, 1.0)
+    learning = split.run(trace, rate=1.0)  # the unfitted decider sends its first one remote
+    assert learning.num_remote == 1 and learning.local_prefill_work == 0.0
+
+
 def test_a_split_is_picked_only_for_min_gain_over_colocated() -> None:
     def planned(split_goodput: float) -> Plan:
         results = tuple(
