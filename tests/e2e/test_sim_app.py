@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -363,35 +363,52 @@ def autoscaled_sim_config(
 
 
 @contextmanager
-def decode_heavy_streams(app: ServedApp, label: str) -> Iterator[set[str]]:
-    """6 streams of 80 tokens after a few-token prompt each, back to back, until the block
-    ends; yields the decode replicas that served them (as they finish). Any stream's error
-    fails the block."""
+def clients_back_to_back(
+    app: ServedApp, num_clients: int, call: Callable[[Any, int, int], object]
+) -> Iterator[None]:
+    """`num_clients` threads, each with a client of its own, calling `call(client, i, n)` for
+    n = 0, 1, ... until the block ends. Any call's error fails the block."""
+    import itertools
     import threading
 
     stop = threading.Event()
     errors: list[BaseException] = []
-    decoded_on: set[str] = set()
 
-    def streams(i: int) -> None:
+    def calls(i: int) -> None:
         try:
             with app.client() as client:
-                while not stop.is_set():
-                    done = collect(client.generate(f"{label} {i}", max_tokens=80, ignore_eos=True))
-                    decoded_on.add(done.timings.decode_replica)
+                for n in itertools.count():
+                    if stop.is_set():
+                        break
+                    call(client, i, n)
         except BaseException as exc:
             errors.append(exc)
 
-    load = [threading.Thread(target=streams, args=(i,), daemon=True) for i in range(6)]
+    load = [threading.Thread(target=calls, args=(i,), daemon=True) for i in range(num_clients)]
     for thread in load:
         thread.start()
     try:
-        yield decoded_on
+        yield
     finally:
         stop.set()
         for thread in load:
             thread.join(timeout=60)
     assert not errors, errors[:1]
+
+
+@contextmanager
+def decode_heavy_streams(app: ServedApp, label: str) -> Iterator[set[str]]:
+    """6 streams of 80 tokens after a few-token prompt each, back to back, until the block
+    ends; yields the decode replicas that served them (as they finish). Any stream's error
+    fails the block."""
+    decoded_on: set[str] = set()
+
+    def stream(client: Any, i: int, n: int) -> None:
+        done = collect(client.generate(f"{label} {i}", max_tokens=80, ignore_eos=True))
+        decoded_on.add(done.timings.decode_replica)
+
+    with clients_back_to_back(app, 6, stream):
+        yield decoded_on
 
 
 def _running(deployment: str, app: str = TPOT_APP) -> int:
@@ -524,9 +541,7 @@ def test_the_split_follows_the_work_live(split_app: ServedApp, redis_server: Red
     - long prompts (about 400 tokens, 0.7 s each computed locally) then come to over a
       whole engine's work: the prefill policy takes one of its engines back (0:4 -> 1:3).
     No replica starts or stops throughout."""
-    import itertools
     import re
-    import threading
 
     from control.sync_store import SyncControlStore
 
@@ -566,31 +581,13 @@ def test_the_split_follows_the_work_live(split_app: ServedApp, redis_server: Red
     assert share["work_decode"] > 1.0 and share["work_prefill"] < 0.1, share
     assert last["work_prefill"] < 0.4 and last["work_local_prefill"] < 0.5, last
 
-    stop = threading.Event()
-    errors: list[BaseException] = []
+    def long_prompt(client: Any, i: int, n: int) -> None:
+        # Its own first token: no block of it is a prefix-cache hit.
+        prompt = f"long {i} {n}: " + "hello " * 100  # 407 tokens
+        collect(client.generate(prompt, max_tokens=2, ignore_eos=True))
 
-    def long_prompts(i: int) -> None:
-        try:
-            with split_app.client() as client:
-                for n in itertools.count():
-                    if stop.is_set():
-                        break
-                    # Its own first token: no block of it is a prefix-cache hit.
-                    prompt = f"long {i} {n}: " + "hello " * 100  # 407 tokens
-                    collect(client.generate(prompt, max_tokens=2, ignore_eos=True))
-        except BaseException as exc:
-            errors.append(exc)
-
-    load = [threading.Thread(target=long_prompts, args=(i,), daemon=True) for i in range(4)]
-    for thread in load:
-        thread.start()
-    try:
+    with clients_back_to_back(split_app, 4, long_prompt):
         wait_for("a prefill engine back", lambda: len(flipped()) == 1, timeout_s=60)
-    finally:
-        stop.set()
-        for thread in load:
-            thread.join(timeout=60)
-    assert not errors, errors[:1]
     (still_lent,) = flipped()
     assert flipped()[still_lent] == "decode"
     backs = [d for d in decisions("prefill") if "no engine serves prefill" in d.reason]
