@@ -57,8 +57,9 @@ class AutoscalingConfig:
     # Between scale events, flip engines so the split follows the measured prefill share of the
     # work (autoscaling/roles.py plan_split; needs flip_first).
     split_follows_work: bool = True
-    # The fewest engines the split keeps serving prefill: 0 lends the last one to decoding
-    # while the router keeps every prompt local (an adaptive router only: deploy/config.py).
+    # The fewest engines the split keeps serving prefill: 0 lends the last one to decoding,
+    # where the router computes every prompt locally, while no prompt would stall the streams
+    # past the TPOT SLO (an adaptive router only: deploy/config.py; roles.py says how).
     split_min_prefill_engines: int = 1
 
     def __post_init__(self) -> None:

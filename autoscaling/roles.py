@@ -26,18 +26,25 @@ within its target with one fewer. A whole replica, not a rounding, is the hyster
 flip the other side is short by less than one, so it does not flip back at the same work.
 
 With `min_prefill_engines` 0 (an adaptive router, which prefills every prompt on its decode
-engine when no engine serves prefill) the split can lend the last prefill engine too: the
-decode pool takes it when it is near idle (its prefill work under `min_load`: the router keeps
-the prompts local) and the prompts computed on the decode engines (`Work.local_prefill`) come
-to less than half an engine. The way back: when those local prompts come to a whole engine's
-worth, the prefill pool takes one back (its own lent engine first). Between a half and a whole
-engine nothing flips, the hysteresis.
+engine when no engine serves prefill) the split can lend the last prefill engine too, and take
+one back, by what a prompt computed locally adds to the gap its engine's streams wait
+(`Stalls`: its compute less their median TPOT), against the TPOT SLO as the limit: the
+router's one-token stall rule (router/pd_decision.py), read from the engines' windows.
+  - The decode pool takes the last prefill engine when the prompts it computes would add at
+    most the limit (or it computed none, near idle) and the local ones add at most half of it:
+    every prompt is then computed locally, colocated serving on every engine.
+  - The prefill pool takes one back (its own lent engine first) when the local prompts add
+    more than the limit: prompts long enough to stall the streams past their SLO are about,
+    which a prefill engine takes off them.
+Between half the limit and the limit for the local prompts nothing flips, the hysteresis.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -46,7 +53,10 @@ from control.records import DecisionRecord, RoleTable
 from engine.autoscaling_stats import (
     BUSY_FRACTION,
     KV_CACHE_USAGE,
-    LOCAL_PREFILL_BUSY_FRACTION,
+    LOCAL_PREFILL_COMPUTE_P95_S,
+    NO_SAMPLE,
+    PREFILL_COMPUTE_P95_S,
+    TPOT_P50_S,
     TPOT_P95_S,
 )
 
@@ -122,29 +132,22 @@ def plan_role_change(
     )
 
 
-# Their names in a pool's DecisionRecord inputs.
-WORK_INPUTS = ("work_prefill", "work_decode", "work_local_prefill")
-# The split's way back from no prefill engine: local prompts of a whole engine's worth; and
-# its way there: under half of one (between them the hysteresis).
-LOCAL_PREFILL_RETURN = 1.0
-LOCAL_PREFILL_RELEASE = 0.5
+WORK_INPUTS = ("work_prefill", "work_decode")  # their names in a pool's DecisionRecord inputs
 
 
 class Work(NamedTuple):
     """Work in replicas' worth at the policy's targets: prefill, busy time over
     `target_utilization` (prompts computed for other engines); decode, the larger of TPOT P95
     over `slo_headroom` x the TPOT SLO and KV usage over `kv_usage_target` (what the decode
-    policy scales on, linear in load); local_prefill, busy time computing prompts an engine
-    then decodes itself, over `target_utilization` (the router's local prefills)."""
+    policy scales on, linear in load)."""
 
     prefill: float = 0.0
     decode: float = 0.0
-    local_prefill: float = 0.0
 
     def __add__(self, other: object) -> Work:
         if not isinstance(other, Work):
             return NotImplemented
-        return Work(*(mine + theirs for mine, theirs in zip(self, other, strict=True)))
+        return Work(self.prefill + other.prefill, self.decode + other.decode)
 
     def as_inputs(self) -> dict[str, float]:
         """As a DecisionRecord's inputs hold it (`work_from_inputs` reads it back)."""
@@ -154,6 +157,71 @@ class Work(NamedTuple):
     def prefill_share(self) -> float | None:
         total = self.prefill + self.decode
         return self.prefill / total if total > 0 else None
+
+
+# Their names in a pool's DecisionRecord inputs (absent: no sample).
+STALL_INPUTS = ("stall_local_compute_s", "stall_remote_compute_s", "stall_tpot_median_s")
+
+
+class Stalls(NamedTuple):
+    """What a prompt computed beside running streams costs them, from the engines' windows:
+    the largest over engines of the configured percentile of the compute seconds of prompts
+    computed locally (`local_s`) and of those computed for other engines (`remote_s`), and
+    the smallest of their median TPOTs (`tpot_median_s`, the gap the streams take anyway;
+    the smallest, so an added stall is not understated). None: no sample."""
+
+    local_s: float | None = None
+    remote_s: float | None = None
+    tpot_median_s: float | None = None
+
+    def __or__(self, other: object) -> Stalls:
+        if not isinstance(other, Stalls):
+            return NotImplemented
+        return Stalls(
+            _merged(max, self.local_s, other.local_s),
+            _merged(max, self.remote_s, other.remote_s),
+            _merged(min, self.tpot_median_s, other.tpot_median_s),
+        )
+
+    def added_s(self, compute_s: float | None) -> float | None:
+        """What a prompt of `compute_s` adds to its engine's gap; None with no sample."""
+        if compute_s is None:
+            return None
+        return max(0.0, compute_s - (self.tpot_median_s or 0.0))
+
+    def as_inputs(self) -> dict[str, float]:
+        """As a DecisionRecord's inputs hold it (`stalls_from_inputs` reads it back)."""
+        return {name: v for name, v in zip(STALL_INPUTS, self, strict=True) if v is not None}
+
+
+def _merged(
+    pick: Callable[[float, float], float], a: float | None, b: float | None
+) -> float | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return pick(a, b)
+
+
+def replica_stalls(metrics: Mapping[str, float]) -> Stalls:
+    """One engine's stall signals from its autoscaling metrics (decode_workers/deployment.py);
+    a missing or "no sample" value is None."""
+
+    def sample(key: str) -> float | None:
+        number = metrics.get(key, NO_SAMPLE)
+        ok = isinstance(number, int | float) and math.isfinite(number) and number >= 0
+        return float(number) if ok else None
+
+    return Stalls(
+        sample(LOCAL_PREFILL_COMPUTE_P95_S), sample(PREFILL_COMPUTE_P95_S), sample(TPOT_P50_S)
+    )
+
+
+def pool_stalls(metrics: Iterable[Mapping[str, float]]) -> Stalls:
+    return functools.reduce(operator.or_, (replica_stalls(m) for m in metrics), Stalls())
+
+
+def stalls_from_inputs(inputs: Mapping[str, float]) -> Stalls:
+    return Stalls(*(inputs.get(name) for name in STALL_INPUTS))
 
 
 def replica_work(
@@ -166,17 +234,12 @@ def replica_work(
         number = metrics.get(key, 0.0)
         return number if isinstance(number, int | float) and math.isfinite(number) else 0.0
 
-    def fraction(key: str) -> float:
-        return min(max(value(key), 0.0), 1.0)
-
+    busy = min(max(value(BUSY_FRACTION), 0.0), 1.0)
     tpot_s = max(value(TPOT_P95_S), 0.0)
+    kv = min(max(value(KV_CACHE_USAGE), 0.0), 1.0)
     return Work(
-        fraction(BUSY_FRACTION) / config.target_utilization,
-        max(
-            tpot_s / (config.slo_headroom * tpot_slo_s),
-            fraction(KV_CACHE_USAGE) / config.kv_usage_target,
-        ),
-        fraction(LOCAL_PREFILL_BUSY_FRACTION) / config.target_utilization,
+        busy / config.target_utilization,
+        max(tpot_s / (config.slo_headroom * tpot_slo_s), kv / config.kv_usage_target),
     )
 
 
@@ -187,12 +250,10 @@ def pool_work(
 
 
 def work_from_inputs(inputs: Mapping[str, float]) -> Work | None:
-    """A pool's work as its DecisionRecord holds it; None when the record has none (a record
-    from before local prefills were counted has none of them)."""
-    prefill, decode, local = WORK_INPUTS
-    if prefill not in inputs or decode not in inputs:
+    """A pool's work as its DecisionRecord holds it; None when the record has none."""
+    if not all(name in inputs for name in WORK_INPUTS):
         return None
-    return Work(inputs[prefill], inputs[decode], inputs.get(local, 0.0))
+    return Work(*(inputs[name] for name in WORK_INPUTS))
 
 
 def plan_split(
@@ -206,12 +267,15 @@ def plan_split(
     min_interval_s: float,
     min_load: float,
     min_prefill_engines: int = 1,
+    stalls: Stalls | None = None,
+    stall_limit_s: float = math.inf,
 ) -> RoleChange | None:
     """The flip that moves one engine to `pool`'s role when the app's `work` asks for a whole
     replica more of it there (the pool keeps `current_replicas`); None to leave the split.
     `replicas`: each pool's live worker ids; `min_load`: below this work per engine serving its
     role, a pool takes none (near idle, the share is noise). `min_prefill_engines` 0 lets the
-    split lend the last prefill engine and take one back (the module's doc)."""
+    split lend the last prefill engine and take one back, by the app's `stalls` against
+    `stall_limit_s` (the module's doc)."""
     if min_prefill_engines not in (0, 1):
         raise ValueError(f"min_prefill_engines must be 0 or 1, got {min_prefill_engines}")
     if last_flip_s is not None and now_s - last_flip_s < min_interval_s:
@@ -224,7 +288,7 @@ def plan_split(
     if total < 2:
         return None
     if min_prefill_engines == 0:
-        why = _all_local_or_back(pool, work, serving, min_load)
+        why = _all_local_or_back(pool, work, stalls or Stalls(), stall_limit_s, serving, min_load)
         if why is not None:
             return _flip_one(pool, current_replicas, why, table, live)
     share = work.prefill_share
@@ -246,28 +310,42 @@ def plan_split(
 
 
 def _all_local_or_back(
-    pool: str, work: Work, serving: Mapping[str, int], min_load: float
+    pool: str,
+    work: Work,
+    stalls: Stalls,
+    limit_s: float,
+    serving: Mapping[str, int],
+    min_load: float,
 ) -> str | None:
     """Why `pool` takes an engine across the no-prefill-engine line (the module's doc), or
     None: the decode pool lends the last prefill engine to decoding, the prefill pool takes
     one back."""
+    local = stalls.added_s(stalls.local_s)
     if pool == "decode" and serving["prefill"] == 1 and serving["decode"] >= 1:
-        if work.prefill >= min_load or work.local_prefill >= LOCAL_PREFILL_RELEASE:
-            return None
+        remote = stalls.added_s(stalls.remote_s)
         if work.decode / serving["decode"] < min_load:
             return None  # near idle: one more decoding engine gains nothing
-        return (
-            f"split: the prefill engine is near idle ({work.prefill:.2f} of an engine's work) "
-            f"and local prompts come to {work.local_prefill:.2f} engines: every prompt local"
-        )
-    if pool == "prefill" and serving["prefill"] == 0 and serving["decode"] >= 2:
-        if work.local_prefill < LOCAL_PREFILL_RETURN:
+        if remote is None and work.prefill >= min_load:
+            return None
+        if (remote is not None and remote > limit_s) or (local is not None and local > limit_s / 2):
             return None
         return (
-            f"split: no engine serves prefill and local prompts come to "
-            f"{work.local_prefill:.2f} engines' work"
+            f"split: a prompt computed locally would add {_ms(remote)} (the prefill engine's) "
+            f"and {_ms(local)} (the local ones) to a gap, within {_ms(limit_s)}: every prompt "
+            "local"
+        )
+    if pool == "prefill" and serving["prefill"] == 0 and serving["decode"] >= 2:
+        if local is None or local <= limit_s:
+            return None
+        return (
+            f"split: no engine serves prefill and local prompts add {_ms(local)} to a gap, "
+            f"past {_ms(limit_s)}"
         )
     return None
+
+
+def _ms(seconds: float | None) -> str:
+    return "none" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
 def _flip_one(

@@ -33,10 +33,13 @@ from autoscaling.history import ScalingHistory
 from autoscaling.policy import Decision, decide_decode, decide_prefill
 from autoscaling.roles import (
     RoleChange,
+    Stalls,
     Work,
     plan_role_change,
     plan_split,
+    pool_stalls,
     pool_work,
+    stalls_from_inputs,
     work_from_inputs,
 )
 from autoscaling.serve_metrics import (
@@ -156,13 +159,16 @@ class PoolAutoscaler:
         )
         # Every engine reports both windows: this pool's share of the app's work, for the split.
         work = pool_work(latest.values(), control.slo.tpot_p95_s, self.config)
+        stalls = pool_stalls(latest.values())
         if self.config.flip_first and control.pin is None:
             if decision.is_scale_event:
                 decision = self._flip_first(decision, state, now_s)
             # A scale event the flips turned into a hold (a pool whose lent engine is its
             # spare) still follows the work: at no prefill engine that pool would shrink.
             if not decision.is_scale_event and self.config.split_follows_work:
-                decision = self._follow_work(decision, work, state, now_s)
+                decision = self._follow_work(
+                    decision, work, stalls, control.slo.tpot_p95_s, state, now_s
+                )
         reason = (
             decision.reason if control.error is None else f"{decision.reason} [{control.error}]"
         )
@@ -173,7 +179,9 @@ class PoolAutoscaler:
             decision.current_replicas,
             decision.target_replicas,
             reason,
-            decision_inputs(decision, control.slo, control.pin) | work.as_inputs(),
+            decision_inputs(decision, control.slo, control.pin)
+            | work.as_inputs()
+            | stalls.as_inputs(),
         )
         # Every tick's decision is kept as the latest; the log gets scale events and changes
         # of reason only, so a steady pool does not flood it.
@@ -217,10 +225,17 @@ class PoolAutoscaler:
         )
 
     def _follow_work(
-        self, decision: Decision, work: Work, state: dict[str, Any], now_s: float
+        self,
+        decision: Decision,
+        work: Work,
+        stalls: Stalls,
+        tpot_slo_s: float,
+        state: dict[str, Any],
+        now_s: float,
     ) -> Decision:
         """The decision, with the flip that moves one engine to this pool's role when the
-        app's measured prefill share asks for it (autoscaling/roles.py `plan_split`)."""
+        app's measured prefill share asks for it, or (with `split_min_prefill_engines` 0) its
+        prompts' stalls against the TPOT SLO do (autoscaling/roles.py `plan_split`)."""
         roles = self._roles(now_s)
         if roles is None or roles.other_last is None:
             return decision
@@ -240,6 +255,8 @@ class PoolAutoscaler:
             min_interval_s=self._flip_interval_s,
             min_load=self.config.downscale_utilization,
             min_prefill_engines=self.config.split_min_prefill_engines,
+            stalls=stalls | stalls_from_inputs(roles.other_last.inputs),
+            stall_limit_s=tpot_slo_s,
         )
         if change is None or change.replica is None or not self._flipped(change, state, now_s):
             return decision

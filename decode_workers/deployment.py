@@ -16,8 +16,8 @@ from typing import ClassVar
 from decode_workers.metrics import TransferMetrics
 from decode_workers.worker import EngineWorker
 from engine.autoscaling_stats import (
-    BUSY_FRACTION,
-    LOCAL_PREFILL_BUSY_FRACTION,
+    LOCAL_PREFILL_COMPUTE_P95_S,
+    PREFILL_COMPUTE_P95_S,
     DecodeWindow,
     PrefillWindow,
 )
@@ -41,7 +41,7 @@ class EngineServer(ReplicaShell):
         self._transfer_metrics = TransferMetrics(settings.app, self._worker.backend.name)
         self._prefill_window = PrefillWindow(settings.window_s, settings.percentile)
         self._decode_window = DecodeWindow(settings.window_s, settings.percentile)
-        # The prompts it computes for itself (`generate`): their pending tokens and busy time.
+        # The prompts it computes for itself (`generate`): their pending tokens and compute.
         self._local_window = PrefillWindow(settings.window_s, settings.percentile)
         self._stream_interval = settings.stream_interval
 
@@ -92,7 +92,7 @@ class EngineServer(ReplicaShell):
         self, num_tokens: int, events: AsyncIterator[TokenEvent]
     ) -> AsyncIterator[TokenEvent]:
         """`events`, with the prompt counted in the local window: pending until the first
-        event, then its compute as busy time (aborted when the stream ends without one)."""
+        event, then its compute time (aborted when the stream ends without one)."""
         token: int | None = self._local_window.request_started(num_tokens)
         try:
             async for event in events:
@@ -132,13 +132,13 @@ class EngineServer(ReplicaShell):
         calls the engine takes, so a policy also sees what its engines do for the other role
         (the split follows the work: autoscaling/roles.py)."""
         latest = self._worker.stats.latest
-        local = self._local_window.report()[BUSY_FRACTION]
+        local = self._local_window.report()[PREFILL_COMPUTE_P95_S]
         return (
             self._prefill_window.report()
             | self._decode_window.report(
                 latest.num_running, latest.num_waiting, latest.kv_cache_usage
             )
-            | {LOCAL_PREFILL_BUSY_FRACTION: local}
+            | {LOCAL_PREFILL_COMPUTE_P95_S: local}
         )
 
 

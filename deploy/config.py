@@ -319,8 +319,8 @@ class AutoscalingSection(_Strict):
     split_min_prefill_engines: Literal[0, 1] = Field(
         1,
         description="the fewest engines the split keeps serving prefill; 0 lends the last one "
-        "to decoding while the prompts computed locally come to under half an engine, and "
-        "takes one back at a whole engine (needs router.adaptive_prefill)",
+        "to decoding while no prompt computed locally would stall a gap past the TPOT SLO, "
+        "and takes one back when local prompts do (needs router.adaptive_prefill)",
     )
 
     def policy_config(self) -> AutoscalingConfig:

@@ -43,10 +43,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from autoscaling.config import DEFAULT_CONFIG
+from autoscaling.roles import Stalls
 from deploy.config import AppConfig
 from deploy.workload import Workload, WorkloadSLO, load_workload
-from engine.autoscaling_stats import union_length
+from engine.autoscaling_stats import percentile, percentile_of
 from engine.sim.blocks import BlockPool
 from engine.sim.profile import Link, SimProfile, load_link, load_profile
 from engine.sim.scheduler import SimRequest, SimScheduler, Step
@@ -165,10 +165,10 @@ class RunResult:
     itl_p90_s: float  # the P90 over requests of each one's P99 gap
     num_local: int  # adaptive: prompts computed on their decode engine
     num_remote: int
-    # The local prompts' compute in engines' worth at the autoscaler's target utilization
-    # (what the live split reads as `work_local_prefill`, autoscaling/roles.py): each decode
-    # engine's union of its local prompts' compute over the run, summed.
-    local_prefill_work: float = 0.0
+    # What a local prompt adds to its engine's gap, as the live split reads it (autoscaling/
+    # roles.py `Stalls`): the P95 of the local prompts' compute (scheduled -> first token)
+    # less the median TPOT; None without a local prompt.
+    local_stall_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -241,15 +241,15 @@ class Plan:
 
 
 def format_plan(result: Plan) -> str:
-    """The candidates as a table, then the pick and why. An adaptive row's "local work" is its
-    local prompts' compute in engines' worth (`RunResult.local_prefill_work`): at 0:N, under
-    0.5 the live split stays there, at 1.0 or more it takes a prefill engine back."""
+    """The candidates as a table, then the pick and why. An adaptive row's "stall s" is what a
+    local prompt adds to a gap (`RunResult.local_stall_s`): at 0:N, past the TPOT SLO the live
+    split (`split_min_prefill_engines: 0`) takes a prefill engine back."""
     lines = [
         f"plan for workload {result.workload} on {result.num_engines} engines, profile "
         f"{result.profile}: goodput = the highest Poisson rate at which "
         f"{result.attainment:.0%} of requests meet {result.slo_text()}",
         f"{'candidate':<30} {'goodput req/s':>13} {'TTFT P90 s':>10} {'TPOT P90 s':>10} "
-        f"{'ITL P90 s':>9} {'local:remote':>12} {'local work':>10}",
+        f"{'ITL P90 s':>9} {'local:remote':>12} {'stall s':>7}",
     ]
     for r in result.results:
         at = r.at_goodput
@@ -258,10 +258,10 @@ def format_plan(result: Plan) -> str:
         itl = f"{at.itl_p90_s:.4f}" if at else "-"
         adaptive = at is not None and r.candidate.kind == "adaptive"
         split = f"{at.num_local}:{at.num_remote}" if at and adaptive else ""
-        local = f"{at.local_prefill_work:.2f}" if at and adaptive else ""
+        stall = at.local_stall_s if at and adaptive else None
         lines.append(
             f"{r.candidate.name:<30} {r.goodput:>13.3f} {ttft:>10} {tpot:>10} {itl:>9} "
-            f"{split:>12} {local:>10}"
+            f"{split:>12} {'' if stall is None else f'{stall:.3f}':>7}"
         )
     lines.append(f"pick: {result.reason()}")
     return "\n".join(lines)
@@ -449,7 +449,6 @@ class _Req:
     last_token_at: float | None = None
     num_sent: int = 0  # tokens the client has
     local: bool = True
-    engine: int | None = None  # local: the index of the decode engine computing its prompt
     scheduled_at: float | None = None  # its prompt's first step began
     handoff_at: float | None = None  # remote: its KV left the prefill engine
     kv_loaded_at: float | None = None  # remote: the decode engine's first (dropped) sample
@@ -590,23 +589,19 @@ class _Run:
             nearest_rank(itls, 0.9),
             num_local,
             len(self.requests) - num_local,
-            self._local_prefill_work(),
+            self._local_stall_s(),
         )
 
-    def _local_prefill_work(self) -> float:
-        """Engines' worth of local prompt compute (scheduled -> first token, as a live engine
-        times it), over the run from the first arrival to the last token."""
-        intervals: dict[int, list[tuple[float, float]]] = {}
-        for r in self.requests:
-            if r.local and r.engine is not None and r.first_token_at is not None:
-                start = r.scheduled_at if r.scheduled_at is not None else r.first_token_at
-                intervals.setdefault(r.engine, []).append((start, r.first_token_at))
-        ends = [r.last_token_at for r in self.requests if r.last_token_at is not None]
-        span = max(ends, default=0.0) - self.requests[0].arrival
-        if span <= 0:
-            return 0.0
-        busy = sum(union_length(spans) for spans in intervals.values())
-        return busy / span / DEFAULT_CONFIG.target_utilization
+    def _local_stall_s(self) -> float | None:
+        computes = [
+            r.first_token_at - r.scheduled_at
+            for r in self.requests
+            if r.local and r.first_token_at is not None and r.scheduled_at is not None
+        ]
+        tpots = [t for t in (r.tpot_s for r in self.requests) if t is not None]
+        if not computes:
+            return None
+        return Stalls(tpot_median_s=percentile(tpots, 50)).added_s(percentile_of(computes, 95))
 
     def _engines(self) -> Iterator[_Engine]:
         yield from self.prefill
@@ -697,7 +692,6 @@ class _Run:
             local = self.decider.decide(inputs).path == "local"
         owner.local = local
         if local:
-            owner.engine = self.decode.index(decode)
             self._add(decode, owner, owner.num_output, None)
         else:
             self._add(self._least_loaded(self.prefill), owner, 1, None)

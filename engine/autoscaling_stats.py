@@ -57,10 +57,13 @@ NUM_RUNNING = "num_running"
 NUM_WAITING = "num_waiting"
 KV_CACHE_USAGE = "kv_cache_usage"
 DECODE_METRIC_KEYS = (TPOT_P95_S, NUM_RUNNING, NUM_WAITING, KV_CACHE_USAGE)
-# An engine's busy fraction computing prompts it then decodes itself (the router's local
-# prefills), beside BUSY_FRACTION (prompts computed for other engines): the split's signal
-# (autoscaling/roles.py), which no policy requires.
-LOCAL_PREFILL_BUSY_FRACTION = "local_prefill_busy_fraction"
+# The split's signals (autoscaling/roles.py), which no policy requires: the configured
+# percentile of the prompts' compute seconds, of those computed for other engines (a prefill
+# window's) and of those an engine computed and then decoded itself (the router's local
+# prefills); and the median TPOT, the gap the streams take anyway.
+PREFILL_COMPUTE_P95_S = "prefill_compute_p95_s"
+LOCAL_PREFILL_COMPUTE_P95_S = "local_prefill_compute_p95_s"
+TPOT_P50_S = "tpot_p50_s"
 
 
 class TimedSample(NamedTuple):
@@ -118,10 +121,12 @@ class _Window:
     def _now(self) -> float:
         return self._clock()
 
-    def _percentile_or_no_sample(self, samples: deque[TimedSample], now_s: float) -> float:
+    def _percentile_or_no_sample(
+        self, samples: deque[TimedSample], now_s: float, q: float | None = None
+    ) -> float:
         _expire(samples, now_s - self.window_s, lambda s: s.at_s)
-        value = percentile([s.value_s for s in samples], self.percentile)
-        return NO_SAMPLE if value is None else value
+        values = [s.value_s for s in samples]
+        return _or_no_sample(percentile(values, self.percentile if q is None else q))
 
 
 class PrefillWindow(_Window):
@@ -186,9 +191,9 @@ class PrefillWindow(_Window):
         self._expire(now)
         # Batched prefills overlap in time: busy time is the union of the intervals, so a
         # batch of two 1-second prefills is one busy second at twice the speed.
-        busy_s = union_length((p.start_s, p.end_s) for p in self._prefilled)
+        busy_s = _union_length((p.start_s, p.end_s) for p in self._prefilled)
         window_start = now - self.window_s
-        busy_in_window_s = union_length(
+        busy_in_window_s = _union_length(
             (max(p.start_s, window_start), p.end_s) for p in self._prefilled
         )
         # A replica younger than the window has not been idle before it existed.
@@ -201,6 +206,9 @@ class PrefillWindow(_Window):
             NUM_ONGOING_REQUESTS: float(self.num_ongoing_requests),
             PREFILL_TOKENS_PER_S: tokens / busy_s if busy_s > 0 else 0.0,
             BUSY_FRACTION: min(busy_in_window_s / observed_s, 1.0) if observed_s > 0 else 0.0,
+            PREFILL_COMPUTE_P95_S: _or_no_sample(
+                percentile([p.end_s - p.start_s for p in self._prefilled], self.percentile)
+            ),
         }
 
     def _pop(self, token: int) -> _Started:
@@ -233,12 +241,18 @@ class DecodeWindow(_Window):
 
     def report(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> dict[str, float]:
         """The window as Serve metrics (keys in `serve_metrics.DECODE_METRIC_KEYS`)."""
+        now = self._now()
         return {
-            TPOT_P95_S: self._percentile_or_no_sample(self._tpot, self._now()),
+            TPOT_P95_S: self._percentile_or_no_sample(self._tpot, now),
             NUM_RUNNING: float(num_running),
             NUM_WAITING: float(num_waiting),
             KV_CACHE_USAGE: float(kv_cache_usage),
+            TPOT_P50_S: self._percentile_or_no_sample(self._tpot, now, 50.0),
         }
+
+
+def _or_no_sample(value: float | None) -> float:
+    return NO_SAMPLE if value is None else value
 
 
 def _expire(items: deque[T], start_s: float, at: Callable[[T], float]) -> None:
@@ -247,7 +261,7 @@ def _expire(items: deque[T], start_s: float, at: Callable[[T], float]) -> None:
         items.popleft()
 
 
-def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
     """Total length covered by (start, end) intervals; empty ones count nothing."""
     merged_s = 0.0
     current: tuple[float, float] | None = None

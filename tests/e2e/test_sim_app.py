@@ -534,12 +534,13 @@ def split_app(serve_proxy: ServeProxy, redis_server: RedisServer) -> Iterator[Se
 
 def test_the_split_follows_the_work_live(split_app: ServedApp, redis_server: RedisServer) -> None:
     """Issue 16 item 3, live, to no prefill engine and back:
-    - under decode-heavy load (6 streams of 80 tokens after 4-token prompts, which the router
-      keeps local) the prefill share is near 0: the decode policy moves one prefill engine to
-      decode calls by the share (2:2 -> 1:3), then the last, near idle (1:3 -> 0:4);
+    - under decode-heavy load (6 streams of 80 tokens after 4-token prompts) the prefill
+      share is near 0: the decode policy moves one prefill engine to decode calls by the
+      share (2:2 -> 1:3); then, as no prompt would add 25 ms to a gap computed locally (one
+      step computes a 4-token prompt beside the streams), the last (1:3 -> 0:4);
     - at 0:4 every prompt is computed on its decode engine, and those engines decode;
-    - long prompts (about 400 tokens, 0.7 s each computed locally) then come to over a
-      whole engine's work: the prefill policy takes one of its engines back (0:4 -> 1:3).
+    - long prompts (407 tokens, 0.7 s each computed locally) then add far more than the
+      50 ms TPOT SLO to a gap: the prefill policy takes one of its engines back (0:4 -> 1:3).
     No replica starts or stops throughout."""
     import re
 
@@ -573,13 +574,11 @@ def test_the_split_follows_the_work_live(split_app: ServedApp, redis_server: Red
     assert all(d.timings.kv_transfer_s == 0 for d in alone)
     decode = decisions("decode")
     splits = [d for d in decode if d.reason.startswith("split:")]
-    assert [d.reason.split(":")[1].strip().split(" ")[0] for d in reversed(splits)] == [
-        "prefill",  # "split: prefill share ..."
-        "the",  # "split: the prefill engine is near idle ..."
-    ], decode
-    share, last = splits[-1].inputs, splits[0].inputs
-    assert share["work_decode"] > 1.0 and share["work_prefill"] < 0.1, share
-    assert last["work_prefill"] < 0.4 and last["work_local_prefill"] < 0.5, last
+    assert len(splits) == 2, decode
+    share, last = reversed(splits)
+    assert share.reason.startswith("split: prefill share"), share
+    assert share.inputs["work_decode"] > 1.0 and share.inputs["work_prefill"] < 0.1, share
+    assert "within 50 ms: every prompt local: borrows prefill-" in last.reason, last
 
     def long_prompt(client: Any, i: int, n: int) -> None:
         # Its own first token: no block of it is a prefix-cache hit.
@@ -592,9 +591,9 @@ def test_the_split_follows_the_work_live(split_app: ServedApp, redis_server: Red
     assert flipped()[still_lent] == "decode"
     backs = [d for d in decisions("prefill") if "no engine serves prefill" in d.reason]
     assert len(backs) == 1 and "recalls prefill-" in backs[0].reason, backs
-    # The app's local prompts (both pools' engines; the record holds its own pool's part).
-    local = re.search(r"local prompts come to ([0-9.]+) engines", backs[0].reason)
-    assert local is not None and float(local.group(1)) >= 1.0, backs[0].reason
-    assert 0 < backs[0].inputs["work_local_prefill"] <= float(local.group(1))
+    # What a local 407-token prompt added to a gap: most of its 0.7 s compute.
+    added = re.search(r"local prompts add ([0-9]+) ms to a gap, past 50 ms", backs[0].reason)
+    assert added is not None and int(added.group(1)) > 300, backs[0].reason
     assert all(d.target_replicas == 2 for d in decisions("decode") + decisions("prefill"))
     assert (_running("Prefill", SPLIT_APP), _running("Decode", SPLIT_APP)) == (2, 2)
+    print(f"split decisions: {share.reason!r}; {last.reason!r}; {backs[0].reason!r}")

@@ -7,18 +7,24 @@ import pytest
 
 from autoscaling.config import AutoscalingConfig
 from autoscaling.roles import (
+    Stalls,
     Work,
     plan_role_change,
     plan_split,
+    pool_stalls,
     pool_work,
     replica_work,
+    stalls_from_inputs,
     work_from_inputs,
 )
 from control.records import DecisionRecord, RoleTable
 from engine.autoscaling_stats import (
     BUSY_FRACTION,
     KV_CACHE_USAGE,
-    LOCAL_PREFILL_BUSY_FRACTION,
+    LOCAL_PREFILL_COMPUTE_P95_S,
+    NO_SAMPLE,
+    PREFILL_COMPUTE_P95_S,
+    TPOT_P50_S,
     TPOT_P95_S,
 )
 
@@ -120,10 +126,24 @@ def test_replica_work_is_in_replicas_at_the_policy_targets() -> None:
     assert both == pytest.approx(Work(1.5, 0.5))
     assert work_from_inputs({"work_prefill": 1.5, "work_decode": 0.5}) == Work(1.5, 0.5)
     assert work_from_inputs({"work_prefill": 1.5}) is None
-    # Local prefills are their own part, read back from the record's inputs.
-    local = replica_work({LOCAL_PREFILL_BUSY_FRACTION: 0.6}, 0.3, config)
-    assert local == pytest.approx(Work(0.0, 0.0, 0.75))
-    assert work_from_inputs((both + local).as_inputs()) == pytest.approx(Work(1.5, 0.5, 0.75))
+
+
+def test_stalls_are_the_longest_prompts_and_the_shortest_gap_over_engines() -> None:
+    decoding = {
+        LOCAL_PREFILL_COMPUTE_P95_S: 0.08,
+        PREFILL_COMPUTE_P95_S: NO_SAMPLE,
+        TPOT_P50_S: 0.06,
+    }
+    prefilling = {PREFILL_COMPUTE_P95_S: 0.5, TPOT_P50_S: NO_SAMPLE}
+    busier = {LOCAL_PREFILL_COMPUTE_P95_S: 0.2, TPOT_P50_S: 0.07}
+    stalls = pool_stalls([decoding, prefilling, busier])
+    assert stalls == Stalls(local_s=0.2, remote_s=0.5, tpot_median_s=0.06)
+    assert stalls.added_s(stalls.local_s) == pytest.approx(0.14)
+    assert stalls.added_s(0.01) == 0.0 and stalls.added_s(None) is None
+    assert pool_stalls([]) == Stalls() and pool_stalls([{TPOT_P50_S: -1.0}]) == Stalls()
+    # A pool's record holds what it sampled; the other pool's is merged in the same way.
+    assert stalls_from_inputs(Stalls(0.2, None, 0.06).as_inputs()) == Stalls(0.2, None, 0.06)
+    assert stalls_from_inputs({}) | Stalls(None, 0.5, 0.07) == Stalls(None, 0.5, 0.07)
 
 
 def test_a_decode_heavy_app_moves_one_prefill_engine_to_decode_and_stays() -> None:
@@ -161,46 +181,68 @@ def test_a_pool_short_of_its_share_recalls_its_lent_engine_first() -> None:
 
 
 # min_prefill_engines 0: the split may lend the last prefill engine (1:3 -> 0:4) and take one
-# back. In 1:3 prefill-p2 serves decode.
+# back, by the stalls against the limit (the TPOT SLO, 50 ms here). In 1:3 prefill-p2 decodes.
 ONE_TO_THREE = RoleTable(1, {"prefill-p2": "decode"})
 ZERO_TO_FOUR = RoleTable(2, {"prefill-p1": "decode", "prefill-p2": "decode"})
+LIMIT_S = 0.05
 
 
-def test_the_last_prefill_engine_goes_to_decoding_only_when_allowed_idle_and_prompts_few() -> None:
-    quiet = Work(prefill=0.1, decode=2.4, local_prefill=0.3)
-    assert split("decode", quiet, table=ONE_TO_THREE) is None  # the default keeps one
-    change = split("decode", quiet, table=ONE_TO_THREE, min_prefill_engines=0)
+def test_the_last_prefill_engine_goes_to_decoding_when_no_prompt_would_stall_locally() -> None:
+    decode_heavy = Work(prefill=0.6, decode=2.4)
+    # Its prompts would add 20 ms to a 60 ms gap, the local ones 10 ms: within 50 and 25 ms.
+    short = Stalls(local_s=0.07, remote_s=0.08, tpot_median_s=0.06)
+
+    def lend(work: Work = decode_heavy, stalls: Stalls = short, **kw: object):  # type: ignore[no-untyped-def]
+        args = {"table": ONE_TO_THREE, "min_prefill_engines": 0, "stall_limit_s": LIMIT_S} | kw
+        return split("decode", work, stalls=stalls, **args)
+
+    change = lend()
     assert change is not None
     assert (change.replica, change.role, change.target_replicas) == ("prefill-p1", "decode", 2)
-    assert "every prompt local" in change.reason and "borrows prefill-p1" in change.reason
-    for busy in (
-        Work(prefill=0.5, decode=2.4, local_prefill=0.3),  # remote prefill is used
-        Work(prefill=0.1, decode=2.4, local_prefill=0.5),  # local prompts at half an engine
-        Work(prefill=0.1, decode=1.0, local_prefill=0.3),  # decode near idle: nothing to gain
-    ):
-        assert split("decode", busy, table=ONE_TO_THREE, min_prefill_engines=0) is None, busy
+    assert "would add 20 ms (the prefill engine's) and 10 ms (the local ones)" in change.reason
+    assert "within 50 ms: every prompt local: borrows prefill-p1" in change.reason
+    assert lend(min_prefill_engines=1) is None  # the default keeps one
+    assert lend(stalls=short._replace(remote_s=0.2)) is None  # its prompts would stall
+    assert lend(stalls=short._replace(local_s=0.09)) is None  # local ones add 30 ms: over half
+    assert lend(work=Work(prefill=0.6, decode=1.0)) is None  # decode near idle: nothing to gain
+    # A prefill engine that computed nothing lately goes when it is near idle.
+    assert lend(stalls=short._replace(remote_s=None), work=Work(0.1, 2.4)) is not None
+    assert lend(stalls=short._replace(remote_s=None)) is None
     # Two prefill engines: the share rule, not this one, moves the first.
-    assert "prefill share" in split("decode", quiet, min_prefill_engines=0).reason
+    assert "prefill share" in split("decode", Work(0.2, 2.4), min_prefill_engines=0).reason
 
 
-def test_with_no_prefill_engine_a_whole_engine_of_local_prompts_takes_one_back() -> None:
-    def back(local: float, **kw: object):  # type: ignore[no-untyped-def]
-        work = Work(prefill=0.0, decode=3.0, local_prefill=local)
-        args = {"table": ZERO_TO_FOUR, "min_prefill_engines": 0} | kw
-        return split("prefill", work, **args)
+def test_with_no_prefill_engine_local_prompts_that_stall_take_one_back() -> None:
+    def back(local_s: float | None, **kw: object):  # type: ignore[no-untyped-def]
+        stalls = Stalls(local_s=local_s, tpot_median_s=0.06)
+        args = {"table": ZERO_TO_FOUR, "min_prefill_engines": 0, "stall_limit_s": LIMIT_S} | kw
+        return split("prefill", Work(0.0, 3.0), stalls=stalls, **args)
 
-    change = back(1.0)
+    change = back(0.7)
     assert change is not None
     assert (change.replica, change.role) == ("prefill-p1", "prefill")
-    assert "no engine serves prefill" in change.reason and "recalls prefill-p1" in change.reason
-    # Between half an engine and a whole one, neither side flips (the hysteresis).
-    assert back(0.7) is None
-    work = Work(prefill=0.0, decode=3.0, local_prefill=0.7)
-    assert split("decode", work, table=ZERO_TO_FOUR, min_prefill_engines=0) is None
-    assert back(2.0, last_flip_s=NOW - 10) is None  # at most one flip per interval
+    assert "no engine serves prefill and local prompts add 640 ms to a gap, past 50 ms" in (
+        change.reason
+    )
+    assert "recalls prefill-p1" in change.reason
+    # Between half the limit and the limit, neither side flips (the hysteresis).
+    assert back(0.1) is None and back(None) is None
+    stalls = Stalls(local_s=0.1, remote_s=None, tpot_median_s=0.06)
+    assert (
+        split(
+            "decode",
+            Work(0.0, 3.0),
+            table=ZERO_TO_FOUR,
+            min_prefill_engines=0,
+            stalls=stalls,
+            stall_limit_s=LIMIT_S,
+        )
+        is None
+    )
+    assert back(0.7, last_flip_s=NOW - 10) is None  # at most one flip per interval
     # With no prefill-pool replica to recall, it borrows the decode pool's last engine.
     decode_only = {"decode": ["decode-d1", "decode-d2", "decode-d3"]}
-    change = back(1.0, table=RoleTable(), replicas=decode_only)
+    change = back(0.7, table=RoleTable(), replicas=decode_only)
     assert change is not None and (change.replica, change.role) == ("decode-d3", "prefill")
     with pytest.raises(ValueError, match="min_prefill_engines"):
-        back(1.0, min_prefill_engines=2)
+        back(0.7, min_prefill_engines=2)

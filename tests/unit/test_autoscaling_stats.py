@@ -48,8 +48,9 @@ def finish(window: PrefillWindow, clock: FakeClock, tokens: int, ttft_s: float) 
 
 def test_empty_prefill_window_reports_no_sample() -> None:
     report = make_prefill_window(FakeClock()).report()
-    assert set(report) == set(PREFILL_METRIC_KEYS)
+    assert set(report) == {*PREFILL_METRIC_KEYS, "prefill_compute_p95_s"}
     assert report["ttft_p95_s"] == report["queue_wait_p95_s"] == -1.0
+    assert report["prefill_compute_p95_s"] == -1.0
     assert report["num_pending_tokens"] == report["prefill_tokens_per_s"] == 0.0
     assert all(isinstance(value, float) for value in report.values())
 
@@ -60,8 +61,14 @@ def test_prefill_percentile_is_the_configured_one_under_the_p95_name() -> None:
     for i in range(1, 101):
         for window in (p95, p50):
             token = window.request_started(10)
-            window.request_finished(token, queue_wait_s=i / 1000, compute_s=0.0, ttft_s=float(i))
+            window.request_finished(
+                token, queue_wait_s=i / 1000, compute_s=i / 100, ttft_s=float(i)
+            )
+            clock.advance(0.001)
     assert p95.report()["ttft_p95_s"] == pytest.approx(95.05)  # numpy's linear interpolation
+    # The prompts' compute seconds (the split's signal, autoscaling/roles.py) likewise.
+    assert p95.report()["prefill_compute_p95_s"] == pytest.approx(0.9505)
+    assert p50.report()["prefill_compute_p95_s"] == pytest.approx(0.505)
     assert p95.report()["queue_wait_p95_s"] == pytest.approx(0.09505)
     assert p50.report()["ttft_p95_s"] == pytest.approx(50.5)
 
@@ -142,8 +149,9 @@ def test_decode_window_reports_tpot_percentile_and_engine_state() -> None:
     for i in range(1, 101):
         window.record_tpot(i / 1000)
     report = window.report(num_running=12, num_waiting=3, kv_cache_usage=0.75)
-    assert set(report) == set(DECODE_METRIC_KEYS)
+    assert set(report) == {*DECODE_METRIC_KEYS, "tpot_p50_s"}
     assert report["tpot_p95_s"] == pytest.approx(0.09505)
+    assert report["tpot_p50_s"] == pytest.approx(0.0505)  # the gap the streams take anyway
     assert (report["num_running"], report["num_waiting"], report["kv_cache_usage"]) == (
         12.0,
         3.0,
