@@ -53,9 +53,9 @@ from control.records import DecisionRecord, RoleTable
 from engine.autoscaling_stats import (
     BUSY_FRACTION,
     KV_CACHE_USAGE,
-    LOCAL_PREFILL_COMPUTE_P95_S,
+    LOCAL_PREFILL_STEP_P95_S,
     NO_SAMPLE,
-    PREFILL_COMPUTE_P95_S,
+    PREFILL_STEP_P95_S,
     TPOT_P50_S,
     TPOT_P95_S,
 )
@@ -211,9 +211,7 @@ def replica_stalls(metrics: Mapping[str, float]) -> Stalls:
         ok = isinstance(number, int | float) and math.isfinite(number) and number >= 0
         return float(number) if ok else None
 
-    return Stalls(
-        sample(LOCAL_PREFILL_COMPUTE_P95_S), sample(PREFILL_COMPUTE_P95_S), sample(TPOT_P50_S)
-    )
+    return Stalls(sample(LOCAL_PREFILL_STEP_P95_S), sample(PREFILL_STEP_P95_S), sample(TPOT_P50_S))
 
 
 def pool_stalls(metrics: Iterable[Mapping[str, float]]) -> Stalls:

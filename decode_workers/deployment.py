@@ -16,8 +16,8 @@ from typing import ClassVar
 from decode_workers.metrics import TransferMetrics
 from decode_workers.worker import EngineWorker
 from engine.autoscaling_stats import (
-    LOCAL_PREFILL_COMPUTE_P95_S,
-    PREFILL_COMPUTE_P95_S,
+    LOCAL_PREFILL_STEP_P95_S,
+    PREFILL_STEP_P95_S,
     DecodeWindow,
     PrefillWindow,
 )
@@ -36,13 +36,19 @@ class EngineServer(ReplicaShell):
         # Its handoffs' KV lives until pulled or until their lease ends: a stopping replica
         # that prefilled for others keeps serving those pulls as long.
         self.drain_timeout_s = transfer.lease_seconds
-        self._worker = EngineWorker(settings.engine.resolve(), transfer)
+        engine = settings.engine.resolve()
+        self._worker = EngineWorker(engine, transfer)
         self.start_engine(self._worker, settings.status)
         self._transfer_metrics = TransferMetrics(settings.app, self._worker.backend.name)
-        self._prefill_window = PrefillWindow(settings.window_s, settings.percentile)
+        chunk = engine.chunk_budget
+        self._prefill_window = PrefillWindow(
+            settings.window_s, settings.percentile, chunk_tokens=chunk
+        )
         self._decode_window = DecodeWindow(settings.window_s, settings.percentile)
         # The prompts it computes for itself (`generate`): their pending tokens and compute.
-        self._local_window = PrefillWindow(settings.window_s, settings.percentile)
+        self._local_window = PrefillWindow(
+            settings.window_s, settings.percentile, chunk_tokens=chunk
+        )
         self._stream_interval = settings.stream_interval
 
     @property
@@ -132,13 +138,13 @@ class EngineServer(ReplicaShell):
         calls the engine takes, so a policy also sees what its engines do for the other role
         (the split follows the work: autoscaling/roles.py)."""
         latest = self._worker.stats.latest
-        local = self._local_window.report()[PREFILL_COMPUTE_P95_S]
+        local = self._local_window.report()[PREFILL_STEP_P95_S]
         return (
             self._prefill_window.report()
             | self._decode_window.report(
                 latest.num_running, latest.num_waiting, latest.kv_cache_usage
             )
-            | {LOCAL_PREFILL_COMPUTE_P95_S: local}
+            | {LOCAL_PREFILL_STEP_P95_S: local}
         )
 
 

@@ -166,8 +166,8 @@ class RunResult:
     num_local: int  # adaptive: prompts computed on their decode engine
     num_remote: int
     # What a local prompt adds to its engine's gap, as the live split reads it (autoscaling/
-    # roles.py `Stalls`): the P95 of the local prompts' compute (scheduled -> first token)
-    # less the median TPOT; None without a local prompt.
+    # roles.py `Stalls`): the P95 of the local prompts' compute (scheduled -> first token) per
+    # chunked-prefill step, less the median TPOT; None without a local prompt.
     local_stall_s: float | None = None
 
 
@@ -509,6 +509,15 @@ class AppModel:
     def run(self, trace: Trace, rate: float) -> RunResult:
         return _Run(self, trace, rate).result()
 
+    @property
+    def chunk_budget(self) -> int:
+        """Every engine's chunked-prefill token budget."""
+        return (
+            self.candidate.chunk_budget
+            or self.shape.max_num_batched_tokens
+            or self.profile.max_num_batched_tokens
+        )
+
     def new_engine(self) -> _Engine:
         shape = self.shape
         blocks = self.profile.num_blocks(shape.block_size, shape.kv_cache_bytes)
@@ -516,9 +525,7 @@ class AppModel:
             SimScheduler(
                 BlockPool(blocks, shape.block_size),
                 _TOKENS,
-                max_num_batched_tokens=self.candidate.chunk_budget
-                or shape.max_num_batched_tokens
-                or self.profile.max_num_batched_tokens,
+                max_num_batched_tokens=self.chunk_budget,
                 max_num_seqs=shape.max_num_seqs,
                 max_model_len=shape.max_model_len,
             )
@@ -593,8 +600,9 @@ class _Run:
         )
 
     def _local_stall_s(self) -> float | None:
+        budget = self.model.chunk_budget
         computes = [
-            r.first_token_at - r.scheduled_at
+            (r.first_token_at - r.scheduled_at) / math.ceil(len(r.prompt) / budget)
             for r in self.requests
             if r.local and r.first_token_at is not None and r.scheduled_at is not None
         ]

@@ -58,11 +58,12 @@ NUM_WAITING = "num_waiting"
 KV_CACHE_USAGE = "kv_cache_usage"
 DECODE_METRIC_KEYS = (TPOT_P95_S, NUM_RUNNING, NUM_WAITING, KV_CACHE_USAGE)
 # The split's signals (autoscaling/roles.py), which no policy requires: the configured
-# percentile of the prompts' compute seconds, of those computed for other engines (a prefill
-# window's) and of those an engine computed and then decoded itself (the router's local
-# prefills); and the median TPOT, the gap the streams take anyway.
-PREFILL_COMPUTE_P95_S = "prefill_compute_p95_s"
-LOCAL_PREFILL_COMPUTE_P95_S = "local_prefill_compute_p95_s"
+# percentile of the prompts' compute seconds per chunked-prefill step (a prompt's compute over
+# its chunks: what one step of it costs the streams beside it), of those computed for other
+# engines (a prefill window's) and of those an engine computed and then decoded itself (the
+# router's local prefills); and the median TPOT, the gap the streams take anyway.
+PREFILL_STEP_P95_S = "prefill_step_p95_s"
+LOCAL_PREFILL_STEP_P95_S = "local_prefill_step_p95_s"
 TPOT_P50_S = "tpot_p50_s"
 
 
@@ -130,10 +131,20 @@ class _Window:
 
 
 class PrefillWindow(_Window):
-    """A prefill replica's TTFT and queue-wait samples, pending prompt tokens and busy time."""
+    """A prefill replica's TTFT and queue-wait samples, pending prompt tokens and busy time.
+    `chunk_tokens`: the engine's chunked-prefill token budget (None: a prompt is one step)."""
 
-    def __init__(self, window_s: float, percentile: float, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        window_s: float,
+        percentile: float,
+        clock: Clock = time.monotonic,
+        chunk_tokens: int | None = None,
+    ) -> None:
         super().__init__(window_s, percentile, clock)
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self._chunk_tokens = chunk_tokens
         self._created_at_s = clock()
         self._ttft: deque[TimedSample] = deque()
         self._queue_wait: deque[TimedSample] = deque()
@@ -206,10 +217,17 @@ class PrefillWindow(_Window):
             NUM_ONGOING_REQUESTS: float(self.num_ongoing_requests),
             PREFILL_TOKENS_PER_S: tokens / busy_s if busy_s > 0 else 0.0,
             BUSY_FRACTION: min(busy_in_window_s / observed_s, 1.0) if observed_s > 0 else 0.0,
-            PREFILL_COMPUTE_P95_S: _or_no_sample(
-                percentile([p.end_s - p.start_s for p in self._prefilled], self.percentile)
+            PREFILL_STEP_P95_S: _or_no_sample(
+                percentile([self._step_s(p) for p in self._prefilled], self.percentile)
             ),
         }
+
+    def _step_s(self, prefilled: _Prefilled) -> float:
+        """A prompt's compute per chunked-prefill step."""
+        steps = 1
+        if self._chunk_tokens is not None:
+            steps = max(1, math.ceil(prefilled.num_tokens / self._chunk_tokens))
+        return (prefilled.end_s - prefilled.start_s) / steps
 
     def _pop(self, token: int) -> _Started:
         try:

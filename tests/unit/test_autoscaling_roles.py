@@ -21,9 +21,9 @@ from control.records import DecisionRecord, RoleTable
 from engine.autoscaling_stats import (
     BUSY_FRACTION,
     KV_CACHE_USAGE,
-    LOCAL_PREFILL_COMPUTE_P95_S,
+    LOCAL_PREFILL_STEP_P95_S,
     NO_SAMPLE,
-    PREFILL_COMPUTE_P95_S,
+    PREFILL_STEP_P95_S,
     TPOT_P50_S,
     TPOT_P95_S,
 )
@@ -130,12 +130,12 @@ def test_replica_work_is_in_replicas_at_the_policy_targets() -> None:
 
 def test_stalls_are_the_longest_prompts_and_the_shortest_gap_over_engines() -> None:
     decoding = {
-        LOCAL_PREFILL_COMPUTE_P95_S: 0.08,
-        PREFILL_COMPUTE_P95_S: NO_SAMPLE,
+        LOCAL_PREFILL_STEP_P95_S: 0.08,
+        PREFILL_STEP_P95_S: NO_SAMPLE,
         TPOT_P50_S: 0.06,
     }
-    prefilling = {PREFILL_COMPUTE_P95_S: 0.5, TPOT_P50_S: NO_SAMPLE}
-    busier = {LOCAL_PREFILL_COMPUTE_P95_S: 0.2, TPOT_P50_S: 0.07}
+    prefilling = {PREFILL_STEP_P95_S: 0.5, TPOT_P50_S: NO_SAMPLE}
+    busier = {LOCAL_PREFILL_STEP_P95_S: 0.2, TPOT_P50_S: 0.07}
     stalls = pool_stalls([decoding, prefilling, busier])
     assert stalls == Stalls(local_s=0.2, remote_s=0.5, tpot_median_s=0.06)
     assert stalls.added_s(stalls.local_s) == pytest.approx(0.14)

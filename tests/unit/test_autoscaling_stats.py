@@ -48,9 +48,9 @@ def finish(window: PrefillWindow, clock: FakeClock, tokens: int, ttft_s: float) 
 
 def test_empty_prefill_window_reports_no_sample() -> None:
     report = make_prefill_window(FakeClock()).report()
-    assert set(report) == {*PREFILL_METRIC_KEYS, "prefill_compute_p95_s"}
+    assert set(report) == {*PREFILL_METRIC_KEYS, "prefill_step_p95_s"}
     assert report["ttft_p95_s"] == report["queue_wait_p95_s"] == -1.0
-    assert report["prefill_compute_p95_s"] == -1.0
+    assert report["prefill_step_p95_s"] == -1.0
     assert report["num_pending_tokens"] == report["prefill_tokens_per_s"] == 0.0
     assert all(isinstance(value, float) for value in report.values())
 
@@ -67,10 +67,22 @@ def test_prefill_percentile_is_the_configured_one_under_the_p95_name() -> None:
             clock.advance(0.001)
     assert p95.report()["ttft_p95_s"] == pytest.approx(95.05)  # numpy's linear interpolation
     # The prompts' compute seconds (the split's signal, autoscaling/roles.py) likewise.
-    assert p95.report()["prefill_compute_p95_s"] == pytest.approx(0.9505)
-    assert p50.report()["prefill_compute_p95_s"] == pytest.approx(0.505)
+    assert p95.report()["prefill_step_p95_s"] == pytest.approx(0.9505)
+    assert p50.report()["prefill_step_p95_s"] == pytest.approx(0.505)
     assert p95.report()["queue_wait_p95_s"] == pytest.approx(0.09505)
     assert p50.report()["ttft_p95_s"] == pytest.approx(50.5)
+
+
+def test_a_prompts_step_is_its_compute_over_its_chunks() -> None:
+    """With a chunked-prefill budget of 100 tokens, a 250-token prompt computed in 0.3 s took
+    3 steps of 0.1 s each: what one step of it costs the streams beside it."""
+    clock = FakeClock()
+    for chunk_tokens, step_s in ((None, 0.3), (100, 0.1), (1000, 0.3)):
+        window = PrefillWindow(60.0, 95.0, clock=clock, chunk_tokens=chunk_tokens)
+        window.request_finished(window.request_started(250), queue_wait_s=0.0, compute_s=0.3)
+        assert window.report()["prefill_step_p95_s"] == pytest.approx(step_s), chunk_tokens
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        PrefillWindow(60.0, 95.0, chunk_tokens=0)
 
 
 def test_pending_tokens_and_ongoing_requests_follow_start_finish_abort() -> None:

@@ -145,6 +145,11 @@ def test_local_stall_is_a_local_prompts_compute_less_the_median_gap() -> None:
     long_step = PROFILE.step_seconds([(0, 1000)], [20])
     # The long step less the median of the two answers' TPOT (the 10-token one waited it).
     assert long_step - 0.2 < result.local_stall_s < long_step - 0.05, (long_step, result)
+    # At a budget of 100 tokens the prompt is 10 steps: one of them is what a gap holds.
+    chunked = AppModel(
+        Candidate("adaptive", 0, 1, chunk_budget=100), PROFILE, LINK, SHAPE, 60.0, 1.0
+    ).run(trace, rate=1.0)
+    assert chunked.local_stall_s is not None and chunked.local_stall_s < 0.3 * long_step
     split = AppModel(Candidate("adaptive", 1, 1), PROFILE, LINK, SHAPE, 60.0, 1.0)
     learning = split.run(trace, rate=1.0)  # the unfitted decider sends its first one remote
     assert learning.num_remote >= 1
