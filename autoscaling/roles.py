@@ -28,7 +28,8 @@ flip the other side is short by less than one, so it does not flip back at the s
 With `min_prefill_engines` 0 (an adaptive router, which prefills every prompt on its decode
 engine when no engine serves prefill) the split can lend the last prefill engine too, and take
 one back, by what a prompt computed locally adds to the gap its engine's streams wait
-(`Stalls`: its compute less their median TPOT), against the TPOT SLO as the limit: the
+(`Stalls`: its compute per chunked-prefill step less their median TPOT), against the TPOT SLO
+as the limit: the
 router's one-token stall rule (router/pd_decision.py), read from the engines' windows.
   - The decode pool takes the last prefill engine when the prompts it computes would add at
     most the limit (or it computed none, near idle) and the local ones add at most half of it:
@@ -160,13 +161,14 @@ class Work(NamedTuple):
 
 
 # Their names in a pool's DecisionRecord inputs (absent: no sample).
-STALL_INPUTS = ("stall_local_compute_s", "stall_remote_compute_s", "stall_tpot_median_s")
+STALL_INPUTS = ("stall_local_step_s", "stall_remote_step_s", "stall_tpot_median_s")
 
 
 class Stalls(NamedTuple):
     """What a prompt computed beside running streams costs them, from the engines' windows:
-    the largest over engines of the configured percentile of the compute seconds of prompts
-    computed locally (`local_s`) and of those computed for other engines (`remote_s`), and
+    the largest over engines of the configured percentile of a prompt's compute per
+    chunked-prefill step, of prompts computed locally (`local_s`) and of those computed for
+    other engines (`remote_s`), and
     the smallest of their median TPOTs (`tpot_median_s`, the gap the streams take anyway;
     the smallest, so an added stall is not understated). None: no sample."""
 
@@ -184,7 +186,7 @@ class Stalls(NamedTuple):
         )
 
     def added_s(self, compute_s: float | None) -> float | None:
-        """What a prompt of `compute_s` adds to its engine's gap; None with no sample."""
+        """What a prompt step of `compute_s` adds to its engine's gap; None with no sample."""
         if compute_s is None:
             return None
         return max(0.0, compute_s - (self.tpot_median_s or 0.0))
@@ -324,7 +326,7 @@ def _all_local_or_back(
         if work.decode / serving["decode"] < min_load:
             return None  # near idle: one more decoding engine gains nothing
         if remote is None and work.prefill >= min_load:
-            return None
+            return None  # busy, yet no prompt timed: no evidence its prompts are short
         if (remote is not None and remote > limit_s) or (local is not None and local > limit_s / 2):
             return None
         return (
