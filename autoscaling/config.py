@@ -61,8 +61,14 @@ class AutoscalingConfig:
     # where the router computes every prompt locally, while no prompt would stall the streams
     # past the TPOT SLO (an adaptive router only: deploy/config.py; roles.py says how).
     split_min_prefill_engines: int = 1
+    # The most a prompt computed locally may add to one gap before that split takes a prefill
+    # engine back: the app's ITL SLO where the router has one (router.adaptive_itl_s), else
+    # (None) the TPOT SLO, as the router's one-token stall rule bounds a gap.
+    split_stall_limit_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.split_stall_limit_s is not None and not self.split_stall_limit_s > 0:
+            raise ValueError(f"split_stall_limit_s must be > 0, got {self.split_stall_limit_s}")
         if self.split_min_prefill_engines not in (0, 1):
             raise ValueError(
                 f"split_min_prefill_engines must be 0 or 1, got {self.split_min_prefill_engines}"

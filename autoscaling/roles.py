@@ -28,16 +28,18 @@ flip the other side is short by less than one, so it does not flip back at the s
 With `min_prefill_engines` 0 (an adaptive router, which prefills every prompt on its decode
 engine when no engine serves prefill) the split can lend the last prefill engine too, and take
 one back, by what a prompt computed locally adds to the gap its engine's streams wait
-(`Stalls`: its compute per chunked-prefill step less their median TPOT), against the TPOT SLO
-as the limit: the
-router's one-token stall rule (router/pd_decision.py), read from the engines' windows.
+(`Stalls`: its compute per chunked-prefill step less their median TPOT), against a limit
+(the ITL SLO where the router has one, else the TPOT SLO): the router's one-token stall rule
+(router/pd_decision.py), read from the engines' windows.
   - The decode pool takes the last prefill engine when the prompts it computes would add at
-    most the limit (or it computed none, near idle) and the local ones add at most half of it:
+    most the limit (or it computed none, near idle) and the local ones add at most
+    `RELEASE_MARGIN` of it:
     every prompt is then computed locally, colocated serving on every engine.
   - The prefill pool takes one back (its own lent engine first) when the local prompts add
     more than the limit: prompts long enough to stall the streams past their SLO are about,
     which a prefill engine takes off them.
-Between half the limit and the limit for the local prompts nothing flips, the hysteresis.
+Between that margin and the limit for the local prompts nothing flips, the hysteresis (and
+at most one flip per interval either way).
 """
 
 from __future__ import annotations
@@ -162,6 +164,9 @@ class Work(NamedTuple):
 
 # Their names in a pool's DecisionRecord inputs (absent: no sample).
 STALL_INPUTS = ("stall_local_step_s", "stall_remote_step_s", "stall_tpot_median_s")
+# The split lends the last prefill engine only while local prompts stall a gap by at most this
+# share of the limit; it takes one back past the whole limit.
+RELEASE_MARGIN = 0.8
 
 
 class Stalls(NamedTuple):
@@ -327,7 +332,8 @@ def _all_local_or_back(
             return None  # near idle: one more decoding engine gains nothing
         if remote is None and work.prefill >= min_load:
             return None  # busy, yet no prompt timed: no evidence its prompts are short
-        if (remote is not None and remote > limit_s) or (local is not None and local > limit_s / 2):
+        release_s = RELEASE_MARGIN * limit_s
+        if (remote is not None and remote > limit_s) or (local is not None and local > release_s):
             return None
         return (
             f"split: a prompt computed locally would add {_ms(remote)} (the prefill engine's) "

@@ -256,7 +256,7 @@ class PoolAutoscaler:
             min_load=self.config.downscale_utilization,
             min_prefill_engines=self.config.split_min_prefill_engines,
             stalls=stalls | stalls_from_inputs(roles.other_last.inputs),
-            stall_limit_s=tpot_slo_s,
+            stall_limit_s=self.config.split_stall_limit_s or tpot_slo_s,
         )
         if change is None or change.replica is None or not self._flipped(change, state, now_s):
             return decision

@@ -136,7 +136,7 @@ def _replica_count(config: AppConfig, pool: PoolName) -> dict[str, Any]:
         spec.max_replicas,
         spec.num_replicas,
         slo=config.autoscaling.slo,
-        config=config.autoscaling.policy_config(),
+        config=config.autoscaling.policy_config(config.router.adaptive_itl_s),
         redis_url_env=REDIS_URL_ENV if from_env else None,
     )
     return {"autoscaling_config": autoscaling}

@@ -319,11 +319,14 @@ class AutoscalingSection(_Strict):
     split_min_prefill_engines: Literal[0, 1] = Field(
         1,
         description="the fewest engines the split keeps serving prefill; 0 lends the last one "
-        "to decoding while no prompt computed locally would stall a gap past the TPOT SLO, "
-        "and takes one back when local prompts do (needs router.adaptive_prefill)",
+        "to decoding while no prompt computed locally would stall a gap near the ITL SLO "
+        "(router.adaptive_itl_s, else the TPOT SLO), and takes one back when local prompts "
+        "stall past it (needs router.adaptive_prefill)",
     )
 
-    def policy_config(self) -> AutoscalingConfig:
+    def policy_config(self, itl_slo_s: float | None = None) -> AutoscalingConfig:
+        """The policies' config; `itl_slo_s` (the router's ITL SLO) bounds the gap a local
+        prompt may stall before the split takes a prefill engine back."""
         return replace(
             DEFAULT_CONFIG,
             percentile=self.percentile,
@@ -335,6 +338,7 @@ class AutoscalingSection(_Strict):
             flip_first=self.flip_first,
             split_follows_work=self.split_follows_work,
             split_min_prefill_engines=self.split_min_prefill_engines,
+            split_stall_limit_s=itl_slo_s,
         )
 
     @property

@@ -189,7 +189,7 @@ LIMIT_S = 0.05
 
 def test_the_last_prefill_engine_goes_to_decoding_when_no_prompt_would_stall_locally() -> None:
     decode_heavy = Work(prefill=0.6, decode=2.4)
-    # Its prompts would add 20 ms to a 60 ms gap, the local ones 10 ms: within 50 and 25 ms.
+    # Its prompts would add 20 ms to a 60 ms gap, the local ones 10 ms: within 50 and 40 ms.
     short = Stalls(local_s=0.07, remote_s=0.08, tpot_median_s=0.06)
 
     def lend(work: Work = decode_heavy, stalls: Stalls = short, **kw: object):  # type: ignore[no-untyped-def]
@@ -203,7 +203,8 @@ def test_the_last_prefill_engine_goes_to_decoding_when_no_prompt_would_stall_loc
     assert "within 50 ms: every prompt local: borrows prefill-p1" in change.reason
     assert lend(min_prefill_engines=1) is None  # the default keeps one
     assert lend(stalls=short._replace(remote_s=0.2)) is None  # its prompts would stall
-    assert lend(stalls=short._replace(local_s=0.09)) is None  # local ones add 30 ms: over half
+    assert lend(stalls=short._replace(local_s=0.1)) is not None  # local ones add 40 ms
+    assert lend(stalls=short._replace(local_s=0.11)) is None  # 50 ms: over 0.8 of the limit
     assert lend(work=Work(prefill=0.6, decode=1.0)) is None  # decode near idle: nothing to gain
     # A prefill engine that computed nothing lately goes when it is near idle.
     assert lend(stalls=short._replace(remote_s=None), work=Work(0.1, 2.4)) is not None
@@ -225,9 +226,9 @@ def test_with_no_prefill_engine_local_prompts_that_stall_take_one_back() -> None
         change.reason
     )
     assert "recalls prefill-p1" in change.reason
-    # Between half the limit and the limit, neither side flips (the hysteresis).
-    assert back(0.1) is None and back(None) is None
-    stalls = Stalls(local_s=0.1, remote_s=None, tpot_median_s=0.06)
+    # Between 0.8 of the limit and the limit, neither side flips (the hysteresis).
+    assert back(0.11) is None and back(None) is None
+    stalls = Stalls(local_s=0.11, remote_s=None, tpot_median_s=0.06)
     assert (
         split(
             "decode",

@@ -110,6 +110,20 @@ def test_adaptive_prefill_keeps_the_tpot_slo_and_excludes_the_threshold() -> Non
     none = {"window_s": 20, "percentile": 90, "split_min_prefill_engines": 0}
     lendable = make_config(router={"adaptive_prefill": True}, autoscaling=none)
     assert lendable.autoscaling.policy_config().split_min_prefill_engines == 0
+    # A local prompt's stall is bounded by the router's ITL SLO where it has one.
+    assert lendable.autoscaling.policy_config().split_stall_limit_s is None
+    assert lendable.autoscaling.policy_config(0.05).split_stall_limit_s == 0.05
+    from deploy.app import deployment_options
+
+    itl_router = {
+        "adaptive_prefill": True,
+        "adaptive_stall_budget": "token",
+        "adaptive_itl_s": 0.05,
+    }
+    for router, limit in (({"adaptive_prefill": True}, None), (itl_router, 0.05)):
+        app = make_config(router=router, autoscaling=none | {"enabled": True})
+        options = deployment_options(app, "decode")["autoscaling_config"]
+        assert options["policy"]["policy_kwargs"]["config"]["split_stall_limit_s"] == limit
     assert make_config().autoscaling.policy_config().split_min_prefill_engines == 1
     with pytest.raises(ValueError, match=r"split_min_prefill_engines: 0 .*adaptive_prefill"):
         make_config(autoscaling=none)
