@@ -337,8 +337,8 @@ def _all_local_or_back(
             return None
         return (
             f"split: a prompt computed locally would add {_ms(remote)} (the prefill engine's) "
-            f"and {_ms(local)} (the local ones) to a gap, within {_ms(limit_s)}: every prompt "
-            "local"
+            f"and {_ms(local)} (the local ones) to a gap, within {_ms(limit_s)} "
+            f"({_ms(release_s)} for the local ones): every prompt local"
         )
     if pool == "prefill" and serving["prefill"] == 0 and serving["decode"] >= 2:
         if local is None or local <= limit_s:

@@ -200,7 +200,9 @@ def test_the_last_prefill_engine_goes_to_decoding_when_no_prompt_would_stall_loc
     assert change is not None
     assert (change.replica, change.role, change.target_replicas) == ("prefill-p1", "decode", 2)
     assert "would add 20 ms (the prefill engine's) and 10 ms (the local ones)" in change.reason
-    assert "within 50 ms: every prompt local: borrows prefill-p1" in change.reason
+    assert "within 50 ms (40 ms for the local ones): every prompt local: borrows prefill-p1" in (
+        change.reason
+    )
     assert lend(min_prefill_engines=1) is None  # the default keeps one
     assert lend(stalls=short._replace(remote_s=0.2)) is None  # its prompts would stall
     assert lend(stalls=short._replace(local_s=0.1)) is not None  # local ones add 40 ms
