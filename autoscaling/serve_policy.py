@@ -235,7 +235,8 @@ class PoolAutoscaler:
     ) -> Decision:
         """The decision, with the flip that moves one engine to this pool's role when the
         app's measured prefill share asks for it, or (with `split_min_prefill_engines` 0) its
-        prompts' stalls against the TPOT SLO do (autoscaling/roles.py `plan_split`)."""
+        prompts' stalls against the limit do: `split_stall_limit_s` (the router's ITL SLO),
+        else the TPOT SLO (autoscaling/roles.py `plan_split`)."""
         roles = self._roles(now_s)
         if roles is None or roles.other_last is None:
             return decision
