@@ -554,6 +554,11 @@ def test_the_split_follows_the_work_live(split_app: ServedApp, redis_server: Red
         with SyncControlStore.connect(redis_server.url, SPLIT_APP) as store:
             return store.recent_decisions(200, pool=pool)
 
+    def routers_applied() -> bool:
+        with SyncControlStore.connect(redis_server.url, SPLIT_APP) as store:
+            version, applied = store.role_table().version, store.roles_applied()
+        return bool(applied) and all(a.version >= version for a in applied.values())
+
     assert (_running("Prefill", SPLIT_APP), _running("Decode", SPLIT_APP)) == (2, 2)
     with decode_heavy_streams(split_app, "split") as decoded_on:
         wait_for("a flip of the split", lambda: bool(flipped()), timeout_s=120)
@@ -561,6 +566,8 @@ def test_the_split_follows_the_work_live(split_app: ServedApp, redis_server: Red
         assert first.startswith("prefill-") and flipped()[first] == "decode"
         wait_for("no engine serving prefill", lambda: len(flipped()) == 2, timeout_s=60)
         assert set(flipped().values()) == {"decode"}
+        # The router routes by the roles it last read (within its 0.1 s poll): wait for its ack.
+        wait_for("the router to route by those roles", routers_applied, timeout_s=10)
         decoded_on.clear()
         with split_app.client() as client:
             alone = [collect(client.generate(f"alone {i}", max_tokens=4)) for i in range(6)]
