@@ -46,7 +46,7 @@ from typing import Any, Literal
 from autoscaling.roles import Stalls
 from deploy.config import AppConfig
 from deploy.workload import Workload, WorkloadSLO, load_workload
-from engine.autoscaling_stats import percentile, percentile_of
+from engine.autoscaling_stats import percentile, percentile_of, step_seconds
 from engine.sim.blocks import BlockPool
 from engine.sim.profile import Link, SimProfile, load_link, load_profile
 from engine.sim.scheduler import SimRequest, SimScheduler, Step
@@ -87,6 +87,12 @@ class Candidate:
     width: int = 1
     # Every engine's chunked-prefill token budget; None: the engine shape's.
     chunk_budget: int | None = None
+
+    @property
+    def runs_as_colocated(self) -> bool:
+        """Colocated, or adaptive 0:N (no prefill engine: the decider keeps every prompt local,
+        so its run is colocated's)."""
+        return self.num_prefill == 0
 
     @property
     def name(self) -> str:
@@ -230,7 +236,8 @@ class Plan:
         others = [
             r
             for r in self.results
-            if r is not best and (r.candidate.kind, r.candidate.num_prefill) != ("adaptive", 0)
+            if r is not best
+            and (r.candidate.kind == "colocated" or not r.candidate.runs_as_colocated)
         ]
         text = f"{best.candidate.name} serves {best.goodput:.3g} req/s {slo}"
         if others:
@@ -316,7 +323,7 @@ def plan(
             base = _goodput(model, trace, attainment)
             results.append(base)
             for candidate in splits:
-                if candidate.num_prefill == 0:  # adaptive 0:N runs as colocated: not run again
+                if candidate.runs_as_colocated:  # adaptive 0:N: colocated's run, not run again
                     results.append(replace(base, candidate=candidate))
                 else:
                     model = replace(model, candidate=candidate)
@@ -383,7 +390,7 @@ def resolve_auto(config: AppConfig) -> tuple[AppConfig, Plan | None]:
     data = config.model_dump()
     if best.chunk_budget is not None:
         data["engine"]["engine_kwargs"]["max_num_batched_tokens"] = best.chunk_budget
-    if best.kind == "colocated" or best.num_prefill == 0:  # adaptive 0:N runs as colocated
+    if best.runs_as_colocated:
         data["topology"] = "colocated"
         _start_with(data["colocated"], best.num_decode, best.width)
     else:
@@ -602,7 +609,7 @@ class _Run:
     def _local_stall_s(self) -> float | None:
         budget = self.model.chunk_budget
         computes = [
-            (r.first_token_at - r.scheduled_at) / math.ceil(len(r.prompt) / budget)
+            step_seconds(r.first_token_at - r.scheduled_at, len(r.prompt), budget)
             for r in self.requests
             if r.local and r.first_token_at is not None and r.scheduled_at is not None
         ]

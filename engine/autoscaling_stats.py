@@ -223,11 +223,9 @@ class PrefillWindow(_Window):
         }
 
     def _step_s(self, prefilled: _Prefilled) -> float:
-        """A prompt's compute per chunked-prefill step."""
-        steps = 1
-        if self._chunk_tokens is not None:
-            steps = max(1, math.ceil(prefilled.num_tokens / self._chunk_tokens))
-        return (prefilled.end_s - prefilled.start_s) / steps
+        return step_seconds(
+            prefilled.end_s - prefilled.start_s, prefilled.num_tokens, self._chunk_tokens
+        )
 
     def _pop(self, token: int) -> _Started:
         try:
@@ -267,6 +265,14 @@ class DecodeWindow(_Window):
             KV_CACHE_USAGE: float(kv_cache_usage),
             TPOT_P50_S: self._percentile_or_no_sample(self._tpot, now, 50.0),
         }
+
+
+def step_seconds(compute_s: float, num_tokens: int, chunk_tokens: int | None) -> float:
+    """A prompt's compute per chunked-prefill step: `compute_s` over ceil(num_tokens /
+    chunk_tokens) steps (None: one step). What one step of it costs the streams beside it; the
+    split's signal here and in the planner's model (deploy/plan.py)."""
+    steps = 1 if chunk_tokens is None else max(1, math.ceil(num_tokens / chunk_tokens))
+    return compute_s / steps
 
 
 def _or_no_sample(value: float | None) -> float:
