@@ -21,7 +21,9 @@ requests meet both the TTFT and the TPOT SLO (DistServe's definition), and the I
 the workload sets one (the P99 of each request's inter-token gaps, the TBT SLO of Sarathi-Serve
 and DynaServe: a long prompt computed beside running streams stalls each of them once, which
 a mean TPOT absorbs and an ITL bound does not), found by a rate search
-over one seeded trace whose arrival gaps scale with the rate (30 s of arrivals per run). What
+over one seeded trace whose arrival gaps scale with the rate (30 s of arrivals per run), and
+never past the work bound: what the engines finish with every second computing, whatever the
+topology (`work_bound`), past which a finite run's queue hides a service's endless one. What
 the model leaves out: pdserve's own hops (a few ms each, docs/benchmarks.md), routing on stale
 loads, and engines sharing CPU cores; so a split must predict `min_gain` times colocated's
 goodput to be picked. Every engine is one of the profile's, unless the plan names wider
@@ -195,6 +197,9 @@ class Plan:
     results: tuple[CandidatePlan, ...]  # by width, then budget; colocated first in each
     min_gain: float = 1.0
     itl_slo_s: float | None = None
+    # No topology of these engines finishes more requests a second of the workload: the
+    # engines' seconds over each request's least compute (`work_bound`).
+    work_bound_rps: float = math.inf
 
     def slo_text(self) -> str:
         itl = "" if self.itl_slo_s is None else f" / ITL (P99 gap) {self.itl_slo_s:g} s"
@@ -270,6 +275,13 @@ def format_plan(result: Plan) -> str:
             f"{r.candidate.name:<30} {r.goodput:>13.3f} {ttft:>10} {tpot:>10} {itl:>9} "
             f"{split:>12} {'' if stall is None else f'{stall:.3f}':>7}"
         )
+    if math.isfinite(result.work_bound_rps):
+        best = result.highest.goodput
+        lines.append(
+            f"work bound: {result.work_bound_rps:.3g} req/s, what the engines finish with every "
+            "second computing and no step overhead, whatever the topology; the highest "
+            f"candidate reaches {best / result.work_bound_rps:.2f} of it"
+        )
     lines.append(f"pick: {result.reason()}")
     return "\n".join(lines)
 
@@ -313,6 +325,7 @@ def plan(
             f"engines' max_model_len {shape.max_model_len}"
         )
     slo = workload.slo
+    bounds = {width: work_bound(trace, each, num_engines // width) for width, each in sized.items()}
     results: list[CandidatePlan] = []
     for width in sorted(sized):
         for budget in tuple(chunk_budgets) or (None,):
@@ -320,14 +333,14 @@ def plan(
             model = AppModel(
                 colocated, sized[width], link, shape, slo.ttft_s, slo.tpot_s, slo.itl_s
             )
-            base = _goodput(model, trace, attainment)
+            base = _goodput(model, trace, attainment, bounds[width])
             results.append(base)
             for candidate in splits:
                 if candidate.runs_as_colocated:  # adaptive 0:N: colocated's run, not run again
                     results.append(replace(base, candidate=candidate))
                 else:
                     model = replace(model, candidate=candidate)
-                    results.append(_goodput(model, trace, attainment))
+                    results.append(_goodput(model, trace, attainment, bounds[width]))
     return Plan(
         workload.name,
         profile.name,
@@ -338,7 +351,21 @@ def plan(
         tuple(results),
         min_gain,
         slo.itl_s,
+        max(bounds.values()),
     )
+
+
+def work_bound(trace: Trace, profile: SimProfile, num_engines: int) -> float:
+    """Requests a second that `num_engines` engines of `profile` could finish of the trace's
+    workload at most, in any topology and at any SLO: their seconds over the mean of each
+    request's least compute (`SimProfile.request_seconds`, the shared prefix counted as
+    cached). A finite modelled run can pass it by what is still queued when its arrivals end."""
+    seconds = [
+        profile.request_seconds(prompt, output, min(prompt, trace.shared_prefix_tokens))
+        for prompt, output in trace.lengths
+    ]
+    mean = sum(seconds) / len(seconds)
+    return math.inf if mean == 0 else num_engines / mean
 
 
 def plan_for(config: AppConfig, workload: Workload | None = None) -> Plan:
@@ -421,15 +448,19 @@ def _start_with(pool: dict[str, Any], num_replicas: int, width: int) -> None:
         pool["cores_per_replica"] = len(cores) // num_replicas
 
 
-def _goodput(model: AppModel, trace: Trace, attainment: float) -> CandidatePlan:
+def _goodput(
+    model: AppModel, trace: Trace, attainment: float, ceiling: float = math.inf
+) -> CandidatePlan:
     """The highest rate at which `attainment` holds, to about 2%: doubling up from the batch-1
-    rate while it holds, quartering down while it does not, then bisection."""
+    rate while it holds, quartering down while it does not, then bisection. A rate past
+    `ceiling` (the work bound) fails unrun: a run of finite arrivals can meet loose SLOs
+    there with a queue that a service receiving that rate would grow without end."""
     rate = model.rate_alone(trace)
     best: RunResult | None = None
     low, high = 0.0, math.inf
     for _ in range(40):
-        result = model.run(trace, rate)
-        if result.attainment >= attainment:
+        result = model.run(trace, rate) if rate <= ceiling else None
+        if result is not None and result.attainment >= attainment:
             best, low = result, rate
         else:
             high = rate

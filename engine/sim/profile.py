@@ -99,6 +99,32 @@ class SimProfile:
             + c.decode_context_s * sum(decode_contexts)
         )
 
+    def request_seconds(
+        self, prompt_tokens: int, output_tokens: int, cached_tokens: int = 0
+    ) -> float:
+        """The least compute one request costs, summed over the steps it is in, without any
+        step's `base_s` (which its batch shares): its uncached prompt tokens and their attention
+        (the same however the prompt is chunked), then a decode token for each output after
+        the first (which the prompt's last step gives) at its context. Preemption, a KV pull's
+        recomputed last position and shared steps only add to it, so N engines finish at most
+        N / (the mean of this) requests a second of a workload, whatever the topology."""
+        if not 0 <= cached_tokens <= prompt_tokens or output_tokens < 0:
+            raise ValueError(
+                f"need 0 <= cached_tokens <= prompt_tokens and output_tokens >= 0, got "
+                f"{cached_tokens}, {prompt_tokens}, {output_tokens}"
+            )
+        c = self.step
+        new = prompt_tokens - cached_tokens
+        decodes = max(0, output_tokens - 1)
+        # Contexts prompt + 1 ... prompt + decodes: the scheduler's `decode_contexts`.
+        contexts = decodes * prompt_tokens + decodes * (decodes + 1) // 2
+        return (
+            c.prefill_token_s * new
+            + c.prefill_attention_s * new * (cached_tokens + new / 2)
+            + c.decode_seq_s * decodes
+            + c.decode_context_s * contexts
+        )
+
 
 def profile_names() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json") if p != LINKS_FILE)

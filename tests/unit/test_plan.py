@@ -24,9 +24,13 @@ from deploy.plan import (
     plan,
     plan_for,
     resolve_auto,
+    work_bound,
 )
 from deploy.workload import Workload
+from engine.sim.blocks import BlockPool
 from engine.sim.profile import Link, SimProfile, StepCosts, load_link, load_profile
+from engine.sim.scheduler import SimRequest, SimScheduler
+from engine.sim.tokens import TokenSource
 
 # Every cost non-zero, so each term of a step is checked.
 PROFILE = SimProfile(
@@ -92,6 +96,45 @@ def test_a_request_alone_takes_the_profile_s_steps_and_the_link_s_transfer() -> 
     ttft, tpot = run_alone("disaggregated", prompt, output)
     assert ttft == pytest.approx(prefill, rel=1e-9)
     assert tpot == pytest.approx((transfer + last_position + decode) / (output - 1), rel=1e-9)
+
+
+def test_a_request_s_least_compute_is_its_steps_without_their_base() -> None:
+    """`SimProfile.request_seconds` against the sim scheduler's own steps: a 100-token prompt
+    in chunks of 32 (the attention is the same however it is chunked), then a second request
+    whose first 64 prompt tokens are cached, each alone, each step timed by the profile less
+    its base."""
+
+    def steps_less_base(scheduler: SimScheduler, request: SimRequest) -> float:
+        scheduler.add(request)
+        seconds = 0.0
+        while scheduler.num_unfinished:
+            step = scheduler.schedule(0.0)
+            seconds += PROFILE.step_seconds(step.prefill_chunks, step.decode_contexts)
+            seconds -= PROFILE.step.base_s
+            scheduler.complete(step)
+        return seconds
+
+    scheduler = SimScheduler(BlockPool(64, 16), TokenSource(range(100)), 32, 8, 1024)
+    first = SimRequest("a", tuple(range(100)), 7, 1)
+    assert steps_less_base(scheduler, first) == pytest.approx(PROFILE.request_seconds(100, 7))
+    again = SimRequest("b", tuple(range(64)) + tuple(range(500, 550)), 5, 2)
+    assert steps_less_base(scheduler, again) == pytest.approx(
+        PROFILE.request_seconds(114, 5, cached_tokens=64)
+    )
+    assert again.num_cached_tokens == 64
+    # The terms by hand: 50 uncached tokens at 1 ms, their attention 50 x (64 + 25) at 1 us,
+    # four decode tokens at 2 ms and at contexts 115-118 at 10 us each.
+    assert PROFILE.request_seconds(114, 5, 64) == pytest.approx(
+        0.05 + 50 * 89e-6 + 0.008 + (115 + 116 + 117 + 118) * 1e-5
+    )
+    with pytest.raises(ValueError, match="cached_tokens <= prompt_tokens"):
+        PROFILE.request_seconds(10, 5, cached_tokens=11)
+
+
+def test_the_work_bound_is_the_engines_seconds_over_the_mean_request() -> None:
+    trace = Trace(((100, 8), (300, 2)), (0.0, 1.0), 0, duration_s=1.0, min_requests=2)
+    mean = (PROFILE.request_seconds(100, 8) + PROFILE.request_seconds(300, 2)) / 2
+    assert work_bound(trace, PROFILE, 4) == pytest.approx(4 / mean)
 
 
 def test_candidates_for_n_engines() -> None:
@@ -240,6 +283,11 @@ def test_short_prompts_at_a_loose_tpot_stay_colocated() -> None:
     goodput = {r.candidate.name: r.goodput for r in result.results}
     assert result.best.candidate.name == "colocated x2", goodput
     assert goodput["colocated x2"] > goodput["disaggregated 1:1"], goodput
+    # No candidate passes the work bound (two engines' seconds over the mean request's
+    # compute), and the best is not far under it: the bound is not vacuous.
+    assert result.work_bound_rps == work_bound(trace, CPU, 2)
+    assert 0.5 * result.work_bound_rps < result.highest.goodput < result.work_bound_rps
+    assert f"work bound: {result.work_bound_rps:.3g} req/s" in format_plan(result)
 
 
 def test_adaptive_decisions_are_counted_and_both_paths_are_taken() -> None:
