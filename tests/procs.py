@@ -154,6 +154,12 @@ def run_pdserve(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds `pid` has used, all its threads together."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def kernel_state(pid: int) -> str:
     """State, wait channel and CPU seconds of `pid` and its threads, from /proc."""
     parts = []
