@@ -20,6 +20,7 @@ keep vLLM's loop: their hosts have cores to spare.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -41,6 +42,12 @@ def register() -> None:
     import vllm.distributed.utils as utils
     from vllm.distributed.device_communicators import shm_broadcast
 
+    if not (hasattr(utils, "sched_yield") and hasattr(shm_broadcast, "sched_yield")):
+        # A vLLM that polls some other way: nothing of ours to replace.
+        logging.getLogger(__name__).warning(
+            "vLLM has no shm_broadcast.sched_yield: its step queues poll as vLLM wrote them"
+        )
+        return
     # shm_broadcast imported the function by name: both bindings are replaced.
     utils.sched_yield = nap
     shm_broadcast.sched_yield = nap
