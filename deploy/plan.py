@@ -276,11 +276,11 @@ def format_plan(result: Plan) -> str:
             f"{split:>12} {'' if stall is None else f'{stall:.3f}':>7}"
         )
     if math.isfinite(result.work_bound_rps):
-        best = result.highest.goodput
+        share = result.highest.goodput / result.work_bound_rps
         lines.append(
             f"work bound: {result.work_bound_rps:.3g} req/s, what the engines finish with every "
             "second computing and no step overhead, whatever the topology; the highest "
-            f"candidate reaches {best / result.work_bound_rps:.2f} of it"
+            f"candidate reaches {share:.2f} of it"
         )
     lines.append(f"pick: {result.reason()}")
     return "\n".join(lines)

@@ -10,9 +10,10 @@ every step its worker computes. On the hosts pdserve runs on here (2 vCPUs) such
 torch compute on the *other* core by 45-70% (a decode step of SmolLM2's shape: 42-44 ms alone,
 63-75 ms beside it), where a loop of 10-100 us sleeps, of another syscall or of plain Python
 costs 0-7%. A nap of 0.1 ms (0.15 ms with Linux's timer slack) keeps the loop without the
-yields. Measured in the served app (docs/benchmarks.md, "The spinning EngineCore"): chat at one
-request in flight, TTFT P50 744 -> 528 ms and ITL P99 597 -> 156 ms; naps of 10 us (the timer
-slack cut to 1 us, 70,000 wake-ups a second each) were worse than either under load. GPU builds
+yields. Measured in the served app (docs/benchmarks.md, "The spinning EngineCore", two runs each
+way): chat at one request in flight, TPOT P50 74-75 -> 67-69 ms and ITL P99 580-597 -> 156-157
+ms, the same at saturation; naps of 10 us (the timer slack cut to 1 us, 70,000 wake-ups a
+second each) were worse than either under load. GPU builds
 keep vLLM's loop: their hosts have cores to spare.
 
 `PDSERVE_VLLM_SPIN=yield` keeps vLLM's own loop on CPU too.

@@ -156,19 +156,22 @@ def run_pdserve(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProc
 
 def cpu_seconds(pid: int) -> float:
     """User and system CPU seconds `pid` has used, all its threads together."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _stat(Path(f"/proc/{pid}/stat"))[1]
+
+
+def _stat(path: Path) -> tuple[str, float]:
+    """A /proc stat file's state letter and its user and system CPU seconds."""
+    fields = path.read_text().rsplit(")", 1)[1].split()
+    return fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def kernel_state(pid: int) -> str:
     """State, wait channel and CPU seconds of `pid` and its threads, from /proc."""
     parts = []
-    ticks = os.sysconf("SC_CLK_TCK")
     with contextlib.suppress(OSError):
         for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda p: int(p.name)):
             with contextlib.suppress(OSError):
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                cpu_s = (int(fields[11]) + int(fields[12])) / ticks
+                state, cpu_s = _stat(task / "stat")
                 wchan = (task / "wchan").read_text().strip() or "-"
-                parts.append(f"thread {task.name} {fields[0]} in {wchan}, {cpu_s:.2f} cpu-s")
+                parts.append(f"thread {task.name} {state} in {wchan}, {cpu_s:.2f} cpu-s")
     return "; ".join(parts) or "gone"
