@@ -102,6 +102,17 @@ def add_bench_commands(commands: argparse._SubParsersAction) -> None:
     )
     rerender.set_defaults(func=cmd_report)
 
+    from bench import relay
+
+    relay_cmd = actions.add_parser(
+        "relay",
+        help="the token path: pdserve's streams beside a bare gRPC server's, CPU per token",
+        description=relay.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    relay.add_arguments(relay_cmd)
+    relay_cmd.set_defaults(func=relay.run)
+
 
 def _add_judging_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ttft", type=duration_arg, metavar="DURATION", help="judge anew")

@@ -51,6 +51,16 @@ _ROUTERS: dict[PoolName, str] = {
 # Engine processes inherit the replica's environment; these keep them quiet and single-purpose.
 _ENGINE_ENV = {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
 
+# Every replica on the token path runs our code and its handles' routing on the replica's own
+# event loop. Serve's defaults give each a thread and a loop of its own, so every streamed item
+# crosses threads twice (a thread-safe hand-off and a GIL switch each way): on the zero-time
+# app, 64 streams, that cost 1.5 ms of CPU per token (docs/benchmarks.md, "The token path").
+# Ray Serve's own throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED) sets the same two.
+SERVE_LOOP_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
+
 
 # The Router replicas hold the pools' handles. After our request router ranks the replicas,
 # Serve probes the first one's queue length and, past a 0.1 s deadline, routes to the next rank:
@@ -78,7 +88,7 @@ def deployment_options(config: AppConfig, pool: PoolName) -> dict[str, Any]:
         router_kwargs["redis_url_env"] = REDIS_URL_ENV
     else:
         router_kwargs["redis_url"] = config.control.redis_url
-    env = dict(_ENGINE_ENV)
+    env = _ENGINE_ENV | SERVE_LOOP_ENV
     return {
         "name": DEPLOYMENT_NAMES[pool],
         **_replica_count(config, pool),
@@ -181,7 +191,7 @@ def build_app(args: AppConfig | dict[str, Any]) -> Application:
         ray_actor_options={
             "num_cpus": 0,
             **({"resources": dict(config.router.resources)} if config.router.resources else {}),
-            "runtime_env": {"env_vars": dict(ROUTER_ENV)},
+            "runtime_env": {"env_vars": ROUTER_ENV | SERVE_LOOP_ENV},
         },
     )
     if config.topology == "colocated":
