@@ -16,6 +16,7 @@ from engine.async_engine import ServedEngine, start_async_engine
 from engine.intervals import in_intervals
 from engine.messages import GenerationRequest, TokenEvent
 from engine.settings import EngineSettings
+from engine.token_wire import TokenRoute
 from prefill_workers.replica import PendingPrefill, ReplicaSettings, ReplicaShell
 
 
@@ -44,12 +45,17 @@ class ColocatedServer(ReplicaShell):
         return self._pending.num_tokens
 
     async def generate(
-        self, request: GenerationRequest, avoid: tuple[str, ...] = ()
+        self,
+        request: GenerationRequest,
+        avoid: tuple[str, ...] = (),
+        route: TokenRoute | None = None,
     ) -> AsyncIterator[TokenEvent]:
-        """`avoid` is for the request router (replicas that failed this request)."""
+        """`avoid` is for the request router (replicas that failed this request); `route`: the
+        router's token channel, which then takes the events (`ReplicaShell.delivered`)."""
         with self.failures_named():
             events = self._pending.counted(
                 request.num_prompt_tokens, self._engine.generate(request)
             )
-            async for event in in_intervals(events, self._stream_interval):
+            stream = in_intervals(events, self._stream_interval)
+            async for event in self.delivered(stream, route):
                 yield event

@@ -24,6 +24,7 @@ from engine.autoscaling_stats import (
 from engine.intervals import in_intervals
 from engine.messages import GenerationRequest, KVHandoff, PrefillResult, TokenEvent
 from engine.stats import KVLoadCounts
+from engine.token_wire import TokenRoute
 from kv_transfer.endpoint import served_transfer_settings
 from prefill_workers.replica import ReplicaSettings, ReplicaShell
 
@@ -78,20 +79,30 @@ class EngineServer(ReplicaShell):
         return result
 
     async def decode(
-        self, request: GenerationRequest, handoff: KVHandoff, avoid: tuple[str, ...] = ()
+        self,
+        request: GenerationRequest,
+        handoff: KVHandoff,
+        avoid: tuple[str, ...] = (),
+        route: TokenRoute | None = None,
     ) -> AsyncIterator[TokenEvent]:
-        """The tokens after the handoff's first. `avoid` is for the request router."""
+        """The tokens after the handoff's first. `avoid` is for the request router; `route`:
+        the router's token channel, which then takes the events (`ReplicaShell.delivered`)."""
         events = self._timed(self._worker.decode(request, handoff))
-        async for event in in_intervals(events, self._stream_interval):
+        stream = in_intervals(events, self._stream_interval)
+        async for event in self.delivered(stream, route):
             yield event
 
     async def generate(
-        self, request: GenerationRequest, avoid: tuple[str, ...] = ()
+        self,
+        request: GenerationRequest,
+        avoid: tuple[str, ...] = (),
+        route: TokenRoute | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """The whole request here, prefill included (the router's choice of local prefill, or
         when no prefill replica could take it); the first event carries the first token."""
         events = self._local_prefill(request.num_prompt_tokens, self._worker.generate(request))
-        async for event in in_intervals(self._timed(events), self._stream_interval):
+        stream = in_intervals(self._timed(events), self._stream_interval)
+        async for event in self.delivered(stream, route):
             yield event
 
     async def _local_prefill(

@@ -16,6 +16,8 @@ from typing import Any, ClassVar, Protocol
 from engine.async_engine import ServedEngine
 from engine.messages import EngineRefused, ReplicaFailure, ReplicaLoad, TokenEvent
 from engine.settings import EngineSpec
+from engine.token_outbox import TokenOutbox
+from engine.token_wire import TokenRoute
 from kv_transfer.base import TransferSettings
 
 logger = logging.getLogger(__name__)
@@ -130,6 +132,7 @@ class ReplicaShell:
     # How long a stopping replica waits for its engine's KV to be freed (0: it does not wait).
     drain_timeout_s: float = 0.0
     _stopping: bool = False
+    _outbox: TokenOutbox | None = None
 
     @property
     def num_pending_prefill_tokens(self) -> int:
@@ -161,6 +164,19 @@ class ReplicaShell:
                 raise EngineRefused(str(exc)) from exc
             worker_id = self._engine_owner.worker_id
             raise ReplicaFailure(worker_id, f"{type(exc).__name__}: {exc}") from exc
+
+    async def delivered(
+        self, events: AsyncIterator[TokenEvent], route: TokenRoute | None
+    ) -> AsyncIterator[TokenEvent]:
+        """A stream call's events: its own items, or with `route` (the calling router's token
+        channel, engine/token_wire.py) sent there, the call yielding none and ending with them."""
+        if route is None:
+            async for event in events:
+                yield event
+            return
+        if self._outbox is None:
+            self._outbox = TokenOutbox()
+        await self._outbox.send_all(events, route)
 
     def on_stats_tick(self) -> None:
         """Hook run on each routing-stats period (decode exports its KV transfer metrics)."""

@@ -72,6 +72,7 @@ from router.service import (
     Usage,
 )
 from router.timings import RequestTimings
+from router.token_inbox import TokenInbox
 from router.validation import InvalidRequest, RequestLimits
 
 logger = logging.getLogger(__name__)
@@ -97,9 +98,7 @@ SAMPLE_TIMEOUT_S = 1.0
 
 
 async def _record_samples(store: ControlStore, values: dict[str, float | None]) -> None:
-    for metric, value in values.items():
-        if value is not None:
-            await store.record_sample(metric, value)
+    await store.record_samples({m: v for m, v in values.items() if v is not None})
 
 
 @dataclass(frozen=True)
@@ -158,6 +157,17 @@ def _prefill_placement(
     return None
 
 
+def _node_address() -> str:
+    """Where this router's token channel listens: the address Ray knows its node by (the
+    replicas on other nodes reach it there)."""
+    import ray
+
+    try:
+        return str(ray.util.get_node_ip_address())
+    except Exception:  # not inside a Ray worker
+        return "127.0.0.1"
+
+
 def _router_replica_id() -> str:
     """This Serve replica's id ("router-<id>"), named in every request's timings."""
     try:
@@ -175,10 +185,16 @@ class Router:
         tokenizer = load_tokenizer(str(model_path))
         self.metrics = RouterMetrics(settings.app)
         self.placement = _prefill_placement(settings, self.metrics)
+        # The engines' streams come back over this router's token channel
+        # (router/token_inbox.py), a frame per engine step for all of a replica's streams.
+        self.inbox = TokenInbox(_node_address())
         engines: EngineStream
         if settings.colocated:
             engines = ColocatedEngines(
-                handles[0], settings.max_migrations, on_move=self.metrics.count_migration
+                handles[0],
+                settings.max_migrations,
+                on_move=self.metrics.count_migration,
+                inbox=self.inbox,
             )
         else:
             engines = DisaggregatedEngines(
@@ -189,6 +205,7 @@ class Router:
                 on_move=self.metrics.count_migration,
                 local_prefill=self.placement,
                 pool_for=pool_view.POOL_VIEW.pool_for,
+                inbox=self.inbox,
             )
         url = settings.control_url
         self.store = ControlStore.from_url(url, settings.app) if url else None

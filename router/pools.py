@@ -2,16 +2,24 @@
 
 A streaming handle call that the router stops reading (client gone, stop string hit) is
 cancelled explicitly, so the replica's engine aborts the request and frees its KV blocks.
+
+With a token inbox (router/token_inbox.py), a stream's events do not come back as Serve items:
+the call carries the inbox's route, the replica sends the events over its one connection to
+this router (a frame per engine step for all its streams), and the call itself only starts,
+holds and ends the request (Serve still routes it, counts it and cancels it; its error is the
+replica's failure, as before).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+from engine.intervals import merge
 from engine.messages import GenerationRequest, KVHandoff, PrefillResult, TokenEvent
 from router.lifecycle import (
     DEFAULT_MAX_MIGRATIONS,
@@ -20,6 +28,7 @@ from router.lifecycle import (
     generate_disaggregated,
 )
 from router.policy import PrefillPlacement
+from router.token_inbox import InboxStream, TokenInbox
 
 
 class RecentFailures:
@@ -77,21 +86,99 @@ async def _stream_call(response: Any) -> AsyncGenerator[Any]:
             response.cancel()
 
 
+# After a routed call ends, the events its replica sent before it returned (on the channel, a
+# path of their own) reach the router within this, or the request moves.
+TAIL_TIMEOUT_S = 10.0
+
+
+class TokenChannelLost(ConnectionError):
+    """A replica's call ended but its last events never arrived (a retryable failure)."""
+
+
+_CALL_ENDED = object()
+
+
+def _with_ready(stream: InboxStream, event: TokenEvent) -> TokenEvent:
+    """`event` with the tokens that arrived behind it merged in (engine/intervals.py `merge`):
+    a router that falls behind its replicas sends what piled up as one chunk, where the
+    consumer pulls, with no timer; markers (`is_first`, `is_decode_start`) stay events of
+    their own."""
+    while event.finish_reason is None and not (event.is_first or event.is_decode_start):
+        after = stream.peek()
+        if not isinstance(after, TokenEvent) or after.is_first or after.is_decode_start:
+            break
+        event = merge(event, stream.pop())
+    return event
+
+
+async def _drain(response: Any) -> None:
+    async for _ in response:  # a routed call yields nothing: its events go to the inbox
+        pass
+
+
+async def _routed_call(
+    call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], inbox: TokenInbox
+) -> AsyncGenerator[TokenEvent]:
+    """The events of a streaming handle call whose replica sends them to `inbox`; the call's
+    own end (or error) arrives in the same stream, after the events sent before it."""
+    await inbox.start()
+    route, stream = inbox.open()
+    response = _unlinked(call, *args, route=route, **kwargs)
+    ended = asyncio.ensure_future(_drain(response))
+    ended.add_done_callback(lambda _: stream.push(_CALL_ENDED))
+    finished = call_ended = False
+    try:
+        while True:
+            if call_ended:
+                try:
+                    item = await asyncio.wait_for(stream.get(), TAIL_TIMEOUT_S)
+                except TimeoutError:
+                    raise TokenChannelLost(
+                        f"the call ended, its last events did not arrive in {TAIL_TIMEOUT_S:g} s"
+                    ) from None
+            else:
+                item = await stream.get()
+            if item is _CALL_ENDED:
+                call_ended = True
+                if ended.cancelled():
+                    raise asyncio.CancelledError()
+                error = ended.exception()
+                if error is not None:
+                    raise error
+                continue
+            item = _with_ready(stream, item)
+            yield item
+            if item.finish_reason is not None:
+                finished = True
+                return
+    finally:
+        inbox.close(route)
+        if not ended.done():
+            if finished:  # the replica returns on its own, at once
+                inbox.hold(ended)
+            else:
+                response.cancel()
+                ended.cancel()
+
+
 class _Pool:
     """A pool behind its Serve handle. Every call carries, as `avoid`, the replicas the request
-    failed on and those that failed any request of this router lately (`failures`)."""
+    failed on and those that failed any request of this router lately (`failures`). With an
+    `inbox`, streams come back over the token channel."""
 
     def __init__(
         self,
         handle: Any,
         failures: RecentFailures | None = None,
         handle_for: Callable[[], Any] | None = None,
+        inbox: TokenInbox | None = None,
     ) -> None:
         self._fixed_handle = handle
         self._failures = failures or RecentFailures()
         # Per call: the handle of the pool holding the replicas that take this pool's calls
         # now (role flips, router/roles.py); None: always `handle`.
         self._handle_for = handle_for
+        self._inbox = inbox
 
     @property
     def _handle(self) -> Any:
@@ -104,7 +191,10 @@ class _Pool:
         self, method: str, *args: Any, avoid: frozenset[str]
     ) -> AsyncGenerator[TokenEvent]:
         call = getattr(self._handle.options(stream=True), method)
-        stream = _stream_call(_unlinked(call.remote, *args, **self._avoid(avoid)))
+        if self._inbox is not None:
+            stream = _routed_call(call.remote, args, self._avoid(avoid), self._inbox)
+        else:
+            stream = _stream_call(_unlinked(call.remote, *args, **self._avoid(avoid)))
         async with contextlib.aclosing(stream) as events:  # closed with us: cancels the call
             async for event in events:
                 yield event
@@ -131,8 +221,9 @@ class DecodePool(_Pool):
         release_is_idempotent: bool,
         failures: RecentFailures | None = None,
         handle_for: Callable[[], Any] | None = None,
+        inbox: TokenInbox | None = None,
     ) -> None:
-        super().__init__(handle, failures, handle_for)
+        super().__init__(handle, failures, handle_for, inbox)
         self._release_is_idempotent = release_is_idempotent
 
     @property
@@ -172,7 +263,8 @@ class DisaggregatedEngines:
     """Prefill pool -> first token -> decode pool (the `disaggregated` topology). A request
     that fails on a replica moves (router/lifecycle.py); `on_move` counts each move. With
     `pool_for`, each call goes through the handle of the pool it names for the call's role
-    (router/roles.py): a flipped replica is reached through its own pool's handle."""
+    (router/roles.py): a flipped replica is reached through its own pool's handle. With
+    `inbox`, the decode pool's streams come back over the token channel."""
 
     def __init__(
         self,
@@ -183,6 +275,7 @@ class DisaggregatedEngines:
         on_move: Callable[[], None] | None = None,
         local_prefill: PrefillPlacement | None = None,
         pool_for: Callable[[str], str] | None = None,
+        inbox: TokenInbox | None = None,
     ) -> None:
         self._moves = _Moves(on_move)
         handles = {"prefill": prefill_handle, "decode": decode_handle}
@@ -193,7 +286,11 @@ class DisaggregatedEngines:
 
         self._prefill = PrefillPool(prefill_handle, self._moves.failures, handle_for("prefill"))
         self._decode = DecodePool(
-            decode_handle, release_is_idempotent, self._moves.failures, handle_for("decode")
+            decode_handle,
+            release_is_idempotent,
+            self._moves.failures,
+            handle_for("decode"),
+            inbox,
         )
         self._max_migrations = max_migrations
         self._local_prefill = local_prefill
@@ -227,9 +324,10 @@ class ColocatedEngines:
         handle: Any,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
         on_move: Callable[[], None] | None = None,
+        inbox: TokenInbox | None = None,
     ) -> None:
         self._moves = _Moves(on_move)
-        self._pool = ColocatedPool(handle, self._moves.failures)
+        self._pool = ColocatedPool(handle, self._moves.failures, inbox=inbox)
         self._max_migrations = max_migrations
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
