@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -241,13 +241,21 @@ class ControlStore:
     async def record_sample(
         self, metric: str, value_s: float, cap: int = DEFAULT_SAMPLE_CAP
     ) -> None:
-        key = self.keys.samples(metric)
-        if not math.isfinite(value_s) or value_s < 0:
-            raise ValueError(f"a {metric} sample must be a finite number >= 0, got {value_s}")
+        await self.record_samples({metric: value_s}, cap)
+
+    async def record_samples(
+        self, values: Mapping[str, float], cap: int = DEFAULT_SAMPLE_CAP
+    ) -> None:
+        """One request's samples, every metric in one round trip."""
+        for metric, value_s in values.items():
+            if not math.isfinite(value_s) or value_s < 0:
+                raise ValueError(f"a {metric} sample must be a finite number >= 0, got {value_s}")
         _check_count("cap", cap)
+        keyed = [(self.keys.samples(metric), value_s) for metric, value_s in values.items()]
         async with self._client.pipeline(transaction=False) as pipe:
-            pipe.lpush(key, repr(float(value_s)))
-            pipe.ltrim(key, 0, cap - 1)
+            for key, value_s in keyed:
+                pipe.lpush(key, repr(float(value_s)))
+                pipe.ltrim(key, 0, cap - 1)
             await pipe.execute()
 
     async def recent_samples(self, metric: str, n: int = 1000) -> list[float]:

@@ -175,6 +175,15 @@ async def test_samples_are_newest_first_and_capped(control_store: ControlStore) 
         await control_store.record_sample("latency", 0.1)
 
 
+async def test_a_requests_samples_go_together_or_not_at_all(control_store: ControlStore) -> None:
+    await control_store.record_samples({"queue_wait": 0.5, "prefill": 0.25})
+    assert await control_store.recent_samples("queue_wait") == [0.5]
+    assert await control_store.recent_samples("prefill") == [0.25]
+    with pytest.raises(ValueError, match="metric must be one of"):
+        await control_store.record_samples({"queue_wait": 0.75, "latency": 0.1})
+    assert await control_store.recent_samples("queue_wait") == [0.5]  # nothing written
+
+
 async def test_default_sample_cap(control_store: ControlStore) -> None:
     for start in range(0, 2100, 300):
         for index in range(start, min(start + 300, 2100)):
