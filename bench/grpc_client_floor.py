@@ -21,24 +21,14 @@ import grpc
 
 from api.gen.pdserve.v1 import pdserve_pb2_grpc
 from bench.overload import _burst_calls, _stream, burst_from_clients
+from bench.relay import serve_bare
 from engine.autoscaling_stats import percentile_of
 
 
-def _serve(port: int, ready: Any) -> None:
-    class Refusing(pdserve_pb2_grpc.PDServeServiceServicer):
-        async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
-            yield  # an async generator, as the streaming method must be
-
-    async def main() -> None:
-        server = grpc.aio.server()
-        pdserve_pb2_grpc.add_PDServeServiceServicer_to_server(Refusing(), server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        ready.set()
-        await server.wait_for_termination()
-
-    asyncio.run(main())
+class _Refusing(pdserve_pb2_grpc.PDServeServiceServicer):
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+        yield  # an async generator, as the streaming method must be
 
 
 async def burst(target: str, size: int, clients: int = 1) -> dict[str, object]:
@@ -72,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
     port = free_port()
     ready = multiprocessing.Event()
-    server = multiprocessing.Process(target=_serve, args=(port, ready), daemon=True)
+    server = multiprocessing.Process(
+        target=serve_bare, args=(_Refusing(), port, ready), daemon=True
+    )
     server.start()
     try:
         if not ready.wait(30):

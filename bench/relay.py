@@ -32,7 +32,9 @@ import grpc
 import grpc.aio
 
 from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
+from bench.procfs import cpu_seconds_of, descendants
 from engine.autoscaling_stats import percentile
+from engine.ports import free_port
 
 PROMPT = "Count the pools."
 
@@ -85,57 +87,20 @@ class StreamRun:
 # --- CPU of a process tree, from /proc ---------------------------------------------------------
 
 
-def _stat_fields(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
-
-
-def tree_pids(roots: Iterable[int]) -> set[int]:
-    """`roots` and every live process below them."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                children.setdefault(int(_stat_fields(int(name))[1]), []).append(int(name))
-            except (OSError, IndexError, ValueError):
-                continue
-    found: set[int] = set()
-    todo = [pid for pid in roots if os.path.exists(f"/proc/{pid}")]
-    while todo:
-        pid = todo.pop()
-        if pid not in found:
-            found.add(pid)
-            todo.extend(children.get(pid, []))
-    return found
-
-
-def cpu_ticks(pids: Iterable[int]) -> dict[int, int]:
-    """pid -> user + system clock ticks so far (processes gone meanwhile left out)."""
-    ticks = {}
-    for pid in pids:
-        try:
-            fields = _stat_fields(pid)
-        except OSError:
-            continue
-        ticks[pid] = int(fields[11]) + int(fields[12])
-    return ticks
-
-
 class TreeCPU:
     """CPU seconds a process tree spent between `start` and `stop` (processes that started
     meanwhile count from zero; those that ended meanwhile are lost)."""
 
     def __init__(self, roots: Iterable[int]) -> None:
         self._roots = list(roots)
-        self._before: dict[int, int] = {}
+        self._before: dict[int, float] = {}
 
     def start(self) -> None:
-        self._before = cpu_ticks(tree_pids(self._roots))
+        self._before = cpu_seconds_of(descendants(self._roots))
 
     def stop(self) -> float:
-        after = cpu_ticks(tree_pids(self._roots))
-        ticks = sum(t - self._before.get(pid, 0) for pid, t in after.items())
-        return ticks / os.sysconf("SC_CLK_TCK")
+        after = cpu_seconds_of(descendants(self._roots))
+        return sum(s - self._before.get(pid, 0.0) for pid, s in after.items())
 
 
 # --- the floor: a bare grpc.aio server ---------------------------------------------------------
@@ -156,24 +121,19 @@ class _FloorServicer(pdserve_pb2_grpc.PDServeServiceServicer):
         )
 
 
-def _serve_floor(port: int, ready: Any) -> None:
+def serve_bare(servicer: Any, port: int, ready: Any) -> None:
+    """A bare `grpc.aio` server of `servicer` on loopback `port` (a process's target); sets
+    `ready` once it listens."""
+
     async def main() -> None:
         server = grpc.aio.server()
-        pdserve_pb2_grpc.add_PDServeServiceServicer_to_server(_FloorServicer(), server)
+        pdserve_pb2_grpc.add_PDServeServiceServicer_to_server(servicer, server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         ready.set()
         await server.wait_for_termination()
 
     asyncio.run(main())
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- the client -------------------------------------------------------------------------------
@@ -263,10 +223,10 @@ def _run(
 
 
 def run_floor(args: argparse.Namespace) -> StreamRun:
-    port = _free_port()
+    port = free_port()
     ready = multiprocessing.get_context("spawn").Event()
     server = multiprocessing.get_context("spawn").Process(
-        target=_serve_floor, args=(port, ready), daemon=True
+        target=serve_bare, args=(_FloorServicer(), port, ready), daemon=True
     )
     server.start()
     try:

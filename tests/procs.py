@@ -14,32 +14,9 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from bench.procfs import parents, stat_of
+
 _LISTEN = "0A"
-
-
-def _parents() -> dict[int, int]:
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = (entry / "stat").read_text()
-                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return parents
-
-
-def descendants(roots: Iterable[int]) -> set[int]:
-    """`roots` and every live process below them."""
-    children: dict[int, list[int]] = {}
-    for pid, parent in _parents().items():
-        children.setdefault(parent, []).append(pid)
-    found: set[int] = set()
-    todo = [pid for pid in roots if Path(f"/proc/{pid}").exists()]
-    while todo:
-        pid = todo.pop()
-        if pid not in found:
-            found.add(pid)
-            todo.extend(children.get(pid, []))
-    return found
 
 
 def _socket_inodes(pids: Iterable[int]) -> set[str]:
@@ -92,7 +69,7 @@ def _address(hex_address: str, width: int) -> str:
 def children_named(pid: int, needle: str) -> list[int]:
     """The direct children of `pid` whose command line contains `needle`."""
     found = []
-    for child, parent in _parents().items():
+    for child, parent in parents().items():
         if parent == pid:
             with contextlib.suppress(OSError):
                 if needle in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace"):
@@ -156,13 +133,7 @@ def run_pdserve(*args: str, timeout_s: float = 60.0) -> subprocess.CompletedProc
 
 def cpu_seconds(pid: int) -> float:
     """User and system CPU seconds `pid` has used, all its threads together."""
-    return _stat(Path(f"/proc/{pid}/stat"))[1]
-
-
-def _stat(path: Path) -> tuple[str, float]:
-    """A /proc stat file's state letter and its user and system CPU seconds."""
-    fields = path.read_text().rsplit(")", 1)[1].split()
-    return fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return stat_of(Path(f"/proc/{pid}/stat"))[1]
 
 
 def kernel_state(pid: int) -> str:
@@ -171,7 +142,7 @@ def kernel_state(pid: int) -> str:
     with contextlib.suppress(OSError):
         for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda p: int(p.name)):
             with contextlib.suppress(OSError):
-                state, cpu_s = _stat(task / "stat")
+                state, cpu_s = stat_of(task / "stat")
                 wchan = (task / "wchan").read_text().strip() or "-"
                 parts.append(f"thread {task.name} {state} in {wchan}, {cpu_s:.2f} cpu-s")
     return "; ".join(parts) or "gone"

@@ -7,24 +7,34 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 
-from bench.relay import StreamRun, TreeCPU, add_arguments, render, run_floor, tree_pids
+from bench.procfs import descendants
+from bench.relay import StreamRun, TreeCPU, add_arguments, render, run_floor
 
 
 def test_tree_cpu_counts_a_child_that_burns_cpu() -> None:
-    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
-    child = subprocess.Popen([sys.executable, "-c", burn + "time.sleep(30)"])
+    burn = (
+        "import time\ninput()\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", burn + "print(flush=True)\ntime.sleep(30)"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
     try:
+        assert child.pid in descendants([os.getpid()])
         cpu = TreeCPU([os.getpid()])
         cpu.start()
-        assert child.pid in tree_pids([os.getpid()])
-        time.sleep(1.5)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        child.stdout.readline()  # burnt
         spent = cpu.stop()
     finally:
         child.kill()
         child.wait()
-    assert spent >= 0.4  # the child's 0.6 s burn (less what it spent before start)
+    assert spent >= 0.45  # the child's 0.5 s, and this process's bit
 
 
 def test_rates_and_costs_per_token_and_request() -> None:
