@@ -260,12 +260,12 @@ def run_pdserve(args: argparse.Namespace) -> StreamRun:
 def render(runs: list[StreamRun]) -> str:
     floor = next((r for r in runs if r.system == "grpc-floor"), None)
     lines = [
-        "| system | streams | msgs/s | tokens/s | of floor | TTFT P50 | TPOT P50 | TPOT P95 "
-        "| CPU/token | CPU/request |",
+        "| system | streams | msgs/s | tokens/s | tokens/s of floor msgs/s | TTFT P50 | TPOT P50 "
+        "| TPOT P95 | CPU/token | CPU/request |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
-        share = f"{r.messages_per_s / floor.messages_per_s:.3f}" if floor else "-"
+        share = f"{r.tokens_per_s / floor.messages_per_s:.3f}" if floor else "-"
         per_token = f"{r.cpu_us_per_token:.0f} us" if r.cpu_us_per_token is not None else "-"
         per_req = f"{r.cpu_ms_per_request:.1f} ms" if r.cpu_ms_per_request is not None else "-"
         lines.append(

@@ -45,7 +45,7 @@ def test_rates_and_costs_per_token_and_request() -> None:
     assert run.cpu_ms_per_request == 62.5
     floor = StreamRun("grpc-floor", 4, 8, 1000, 1000, 1.0, 0.0, 0.0, 0.0, 0.0)
     table = render([floor, run])
-    assert "| pdserve | 4 | 50 | 100 | 0.050 |" in table
+    assert "| pdserve | 4 | 50 | 100 | 0.100 |" in table  # tokens/s over the floor's msgs/s
     assert "2500 us" in table
 
 
