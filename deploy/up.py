@@ -42,6 +42,7 @@ from deploy.local import (
 )
 from deploy.status import state_name
 from router.auth import key_line, new_key
+from router.token_inbox import TOKEN_CHANNEL_HOST_ENV
 
 
 class AlreadyUp(RuntimeError):
@@ -77,10 +78,13 @@ def _cluster_env(config: AppConfig, tls: tuple[str, str] | None) -> dict[str, st
     """Settings of the local cluster's processes: a gRPC message is held to the HTTP body's
     limit (larger ones end RESOURCE_EXHAUSTED in the proxy, before anything is parsed); Serve's
     gRPC proxy listens on loopback, with TLS when the run has a certificate; and the proxies
-    refuse generation calls past the routers' admission themselves (api/proxy_gate.py)."""
+    refuse generation calls past the routers' admission themselves (api/proxy_gate.py); the
+    routers' token channels listen on loopback."""
     router = config.router
     return {
         GRPC_MESSAGE_LIMIT_ENV: str(router.max_body_bytes),
+        # One node: the routers' token channels on loopback too (router/token_inbox.py).
+        TOKEN_CHANNEL_HOST_ENV: LOOPBACK,
         **proxy_callback.proxy_env(
             LOOPBACK,
             tls,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +73,7 @@ from router.service import (
     Usage,
 )
 from router.timings import RequestTimings
-from router.token_inbox import TokenInbox
+from router.token_inbox import TOKEN_CHANNEL_HOST_ENV, TokenInbox
 from router.validation import InvalidRequest, RequestLimits
 
 logger = logging.getLogger(__name__)
@@ -157,11 +158,14 @@ def _prefill_placement(
     return None
 
 
-def _node_address() -> str:
-    """Where this router's token channel listens: the address Ray knows its node by (the
-    replicas on other nodes reach it there)."""
+def _channel_host() -> str:
+    """Where this router's token channel listens: the node environment's
+    `PDSERVE_TOKEN_CHANNEL_HOST` (loopback in local mode: `pdserve up` sets it), else the address
+    Ray knows this node by, where replicas on other nodes reach it."""
     import ray
 
+    if os.environ.get(TOKEN_CHANNEL_HOST_ENV):
+        return os.environ[TOKEN_CHANNEL_HOST_ENV]
     try:
         return str(ray.util.get_node_ip_address())
     except Exception:  # not inside a Ray worker
@@ -187,7 +191,7 @@ class Router:
         self.placement = _prefill_placement(settings, self.metrics)
         # The engines' streams come back over this router's token channel
         # (router/token_inbox.py), a frame per engine step for all of a replica's streams.
-        self.inbox = TokenInbox(_node_address())
+        self.inbox = TokenInbox(_channel_host())
         engines: EngineStream
         if settings.colocated:
             engines = ColocatedEngines(

@@ -29,6 +29,9 @@ from engine.token_wire import (
 logger = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 5.0
+# The address routers' token channels listen on, from their node's environment (default: the
+# address Ray knows the node by, router/ingress.py).
+TOKEN_CHANNEL_HOST_ENV = "PDSERVE_TOKEN_CHANNEL_HOST"
 
 
 class InboxStream:

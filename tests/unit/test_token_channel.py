@@ -188,3 +188,18 @@ async def test_an_unreachable_router_is_an_error_naming_its_address() -> None:
     route = TokenRoute("127.0.0.1", port, bytes(KEY_BYTES), 1)
     with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
         await TokenOutbox().send_all(_events(TokenEvent((1,), "stop")), route)
+
+
+def test_local_mode_puts_the_routers_channels_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deploy.cli import LOCAL_CONFIG
+    from deploy.config import load_app_config
+    from deploy.up import _cluster_env
+    from router.ingress import _channel_host
+    from router.token_inbox import TOKEN_CHANNEL_HOST_ENV
+
+    env = _cluster_env(load_app_config(LOCAL_CONFIG), None)
+    assert env[TOKEN_CHANNEL_HOST_ENV] == "127.0.0.1"
+    monkeypatch.setenv(TOKEN_CHANNEL_HOST_ENV, "127.0.0.1")
+    assert _channel_host() == "127.0.0.1"
+    monkeypatch.delenv(TOKEN_CHANNEL_HOST_ENV)
+    assert _channel_host()  # Ray's node address where Ray runs, else loopback
