@@ -17,6 +17,13 @@ second each) were worse than either under load. GPU builds
 keep vLLM's loop: their hosts have cores to spare.
 
 `PDSERVE_VLLM_SPIN=yield` keeps vLLM's own loop on CPU too.
+
+Also on a CPU build: a seeded request's sample in a step that drops it (a chunk of a prefill
+that is not its last) leaves the request's random stream where it was. vLLM rewinds a GPU
+generator's offset for that (`GPUModelRunner._bookkeeping_sync`), and a CPU generator has no
+offset: the EngineCore died on the first such step (`RuntimeError: CPU Generator does not use
+offset`), and pdserve seeds every sampled request. Here the generators of the dropped samples
+are saved before the sampler runs and restored after it, and the rewind skips them.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 NAP_S = 1e-4
 SPIN_ENV = "PDSERVE_VLLM_SPIN"
@@ -34,11 +42,12 @@ def nap() -> None:
 
 
 def register() -> None:
-    if os.environ.get(SPIN_ENV, "nap") == "yield":
-        return
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
+        return
+    keep_dropped_samples_unseen()
+    if os.environ.get(SPIN_ENV, "nap") == "yield":
         return
     import vllm.distributed.utils as utils
     from vllm.distributed.device_communicators import shm_broadcast
@@ -52,3 +61,48 @@ def register() -> None:
     # shm_broadcast imported the function by name: both bindings are replaced.
     utils.sched_yield = nap
     shm_broadcast.sched_yield = nap
+
+
+def keep_dropped_samples_unseen() -> None:
+    """Wrap the model runner's sampling so that the requests whose sample this step drops
+    keep their generator's state, and vLLM's offset rewind (GPU generators only) skips them."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner: Any = GPUModelRunner
+    if getattr(runner, "_pdserve_dropped_samples_unseen", False):
+        return
+    if not (hasattr(runner, "_sample") and hasattr(runner, "_bookkeeping_sync")):
+        logging.getLogger(__name__).warning(
+            "vLLM's model runner has no _sample/_bookkeeping_sync: seeded chunked prefills "
+            "sample as vLLM wrote them"
+        )
+        return
+    sample, bookkeeping = runner._sample, runner._bookkeeping_sync
+
+    def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        batch = self.input_batch
+        dropped = [
+            int(i)
+            for i, drop in enumerate(self.discard_request_mask.np[: batch.num_reqs])
+            if drop and int(i) in batch.generators
+        ]
+        saved = {i: batch.generators[i].get_state() for i in dropped}
+        output = sample(self, *args, **kwargs)
+        for i, state in saved.items():
+            batch.generators[i].set_state(state)
+        self._pdserve_restored = tuple(saved)
+        return output
+
+    def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        generators = self.input_batch.generators
+        restored = getattr(self, "_pdserve_restored", ())
+        self._pdserve_restored = ()
+        held = {i: generators.pop(i) for i in restored if i in generators}
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(held)
+
+    runner._sample = _sample
+    runner._bookkeeping_sync = _bookkeeping_sync
+    runner._pdserve_dropped_samples_unseen = True
