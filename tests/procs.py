@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+# `descendants` is re-exported: the tests take their process-tree views from here.
+from bench.procfs import descendants as descendants
 from bench.procfs import parents, stat_of
 
 _LISTEN = "0A"
