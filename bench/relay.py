@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -33,6 +32,7 @@ import grpc.aio
 
 from api.gen.pdserve.v1 import pdserve_pb2, pdserve_pb2_grpc
 from bench.procfs import cpu_seconds_of, descendants
+from bench.suite import machine_facts
 from engine.autoscaling_stats import percentile
 from engine.ports import free_port
 
@@ -160,7 +160,7 @@ async def drive(
     counts = [0, 0]
     remaining = [num_requests]
 
-    async def one(i: int) -> None:
+    async def one() -> None:
         request = pdserve_pb2.GenerateRequest(
             prompt=PROMPT, max_tokens=num_tokens, ignore_eos=True, temperature=0.0
         )
@@ -178,15 +178,15 @@ async def drive(
         if num > 1:
             tpots.append((last - first) / (num - 1))
 
-    async def worker(w: int) -> None:
+    async def worker() -> None:
         while remaining[0] > 0:
             remaining[0] -= 1
-            await one(w)
+            await one()
 
     async with channel:
         await channel.channel_ready()
         started = time.perf_counter()
-        await asyncio.gather(*(worker(w) for w in range(num_streams)))
+        await asyncio.gather(*(worker() for _ in range(num_streams)))
         seconds = time.perf_counter() - started
     return counts[0], counts[1], seconds, ttfts, tpots
 
@@ -224,10 +224,9 @@ def _run(
 
 def run_floor(args: argparse.Namespace) -> StreamRun:
     port = free_port()
-    ready = multiprocessing.get_context("spawn").Event()
-    server = multiprocessing.get_context("spawn").Process(
-        target=serve_bare, args=(_FloorServicer(), port, ready), daemon=True
-    )
+    spawn = multiprocessing.get_context("spawn")
+    ready = spawn.Event()
+    server = spawn.Process(target=serve_bare, args=(_FloorServicer(), port, ready), daemon=True)
     server.start()
     try:
         if not ready.wait(30):
@@ -302,27 +301,13 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "relay.json").write_text(
             json.dumps(
-                {
-                    "host_cpu": _cpu_model(),
-                    "nproc": os.cpu_count(),
-                    "runs": [r.summary() for r in runs],
-                },
+                {**machine_facts(), "runs": [r.summary() for r in runs]},
                 indent=2,
             )
             + "\n"
         )
         (out / "relay.md").write_text(table + "\n")
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def main() -> None:

@@ -122,10 +122,22 @@ def machine_facts() -> dict[str, Any]:
     return {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "cores": cores,
+        "cpu": _cpu_model(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "commit": commit,
     }
+
+
+def _cpu_model() -> str:
+    """The processor's name as /proc/cpuinfo gives it (hosts differ: AVX2 only, or AMX)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 def _one_line(run: Run) -> str:

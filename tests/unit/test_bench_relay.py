@@ -52,9 +52,10 @@ def test_rates_and_costs_per_token_and_request() -> None:
 def test_the_floor_moves_every_message() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--streams", "4", "--tokens", "16"])
-    args.requests = 8
+    # Enough messages that the server's CPU reaches /proc's 10 ms ticks (128 did not, at times).
+    args = parser.parse_args(["--streams", "8", "--tokens", "256"])
+    args.requests = 32
     floor = run_floor(args)
-    assert floor.num_messages == 8 * 16
-    assert floor.num_tokens == 8 * 16
+    assert floor.num_messages == 32 * 256
+    assert floor.num_tokens == 32 * 256
     assert floor.server_cpu_s is not None and floor.server_cpu_s > 0
