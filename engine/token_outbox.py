@@ -51,11 +51,16 @@ class _Link:
             self._writer.write(frame(self._pending))
         self._pending = []
 
+    @property
+    def is_congested(self) -> bool:
+        """The socket holds more than HIGH_WATER_BYTES unsent."""
+        return self._writer.transport.get_write_buffer_size() > HIGH_WATER_BYTES
+
     async def drain(self) -> None:
-        """Wait while the socket holds more than HIGH_WATER_BYTES unsent."""
-        transport = self._writer.transport
-        if transport.get_write_buffer_size() > HIGH_WATER_BYTES:
-            await self._writer.drain()
+        await self._writer.drain()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 class TokenOutbox:
@@ -96,17 +101,15 @@ class TokenOutbox:
         self._links[route.address] = link
         return link
 
-    async def send_all(self, events: AsyncIterator[TokenEvent], route: TokenRoute) -> int:
-        """Every event of `events` to `route`'s stream; how many were sent."""
+    async def send_all(self, events: AsyncIterator[TokenEvent], route: TokenRoute) -> None:
+        """Every event of `events` to `route`'s stream."""
         link = await self.link(route)
-        num_sent = 0
         async for event in events:
             link.send(route.stream, event)
-            num_sent += 1
-            await link.drain()
-        return num_sent
+            if link.is_congested:  # checked per event; awaited only when the router lags
+                await link.drain()
 
     def close(self) -> None:
         for link in self._links.values():
-            link._writer.close()
+            link.close()
         self._links.clear()

@@ -81,12 +81,15 @@ def keep_dropped_samples_unseen() -> None:
 
     def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
         batch = self.input_batch
-        dropped = [
-            int(i)
-            for i, drop in enumerate(self.discard_request_mask.np[: batch.num_reqs])
-            if drop and int(i) in batch.generators
-        ]
-        saved = {i: batch.generators[i].get_state() for i in dropped}
+        if not batch.generators:  # no seeded request in the batch: every step of greedy work
+            self._pdserve_restored = ()
+            return sample(self, *args, **kwargs)
+        dropped = self.discard_request_mask.np[: batch.num_reqs].nonzero()[0]
+        saved = {
+            int(i): batch.generators[int(i)].get_state()
+            for i in dropped
+            if int(i) in batch.generators
+        }
         output = sample(self, *args, **kwargs)
         for i, state in saved.items():
             batch.generators[i].set_state(state)

@@ -162,10 +162,10 @@ def _channel_host() -> str:
     """Where this router's token channel listens: the node environment's
     `PDSERVE_TOKEN_CHANNEL_HOST` (loopback in local mode: `pdserve up` sets it), else the address
     Ray knows this node by, where replicas on other nodes reach it."""
-    import ray
-
     if os.environ.get(TOKEN_CHANNEL_HOST_ENV):
         return os.environ[TOKEN_CHANNEL_HOST_ENV]
+    import ray
+
     try:
         return str(ray.util.get_node_ip_address())
     except Exception:  # not inside a Ray worker
